@@ -1,0 +1,165 @@
+"""The facade trainers use: one object that knows ranks, ZeRO, offload and precision."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from strategy import dist
+from strategy.config import OptimConfig, StrategyConfig
+from strategy.data import ResumableDistributedSampler
+from strategy.ds_config import build_ds_config, build_eval_ds_config
+from strategy.model import build_hf_model, dtype_of
+from strategy.optim import build_optimizer, get_param_groups
+from strategy.scheduler import create_scheduler
+
+
+class DeepSpeedStrategy:
+    """DeepSpeed ZeRO 0-3 behind a small surface; trainers take it as a dependency."""
+
+    def __init__(self, config: StrategyConfig | None = None, optim: OptimConfig | None = None) -> None:
+        self.config = config or StrategyConfig()
+        self.config.validate()
+        self.optim = optim or OptimConfig()
+        self.optim.validate()
+        self._hf_ds_config = None  # keeps transformers' ZeRO-3 hook alive while models are built
+
+    # ------------------------------------------------------------ ranks
+    def setup_distributed(self, timeout: timedelta | float = timedelta(minutes=30)) -> None:
+        """Validate against the launcher's world size, seed every RNG, start the process group."""
+        if not isinstance(timeout, timedelta):
+            timeout = timedelta(seconds=timeout)
+        self.config.validate_world(dist.get_world_size())
+        dist.seed_everything(self.config.seed)
+        dist.init_distributed(timeout)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def is_rank_0(self) -> bool:
+        return dist.is_rank_0()
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.config.accumulation_steps(self.world_size)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        dist.print0(*args, **kwargs)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def all_reduce(self, data: Any, op: str = "mean") -> Any:
+        return dist.all_reduce(data, op)
+
+    def all_gather(self, data: Any) -> Any:
+        return dist.all_gather(data)
+
+    @property
+    def ds_config(self) -> dict:
+        return build_ds_config(self.config, self.world_size)
+
+    @property
+    def eval_ds_config(self) -> dict:
+        return build_eval_ds_config(self.config, self.world_size)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return dtype_of(self.config.bf16, self.config.fp16)
+
+    # ------------------------------------------------------------ models and optimizers
+    def from_pretrained(self, name_or_config: Any, auto_cls: Any = None, dtype: torch.dtype | None = None,
+                        **kwargs: Any) -> nn.Module:
+        """Build a Hugging Face model (path, hub name or config); partitioned at construction under ZeRO-3."""
+        if self.config.zero_stage == 3 and self._hf_ds_config is None:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
+        return build_hf_model(name_or_config, auto_cls, dtype or self.dtype, **kwargs)
+
+    def create_optimizer(self, model: nn.Module, lr: float | None = None, betas: tuple[float, float] | None = None,
+                         weight_decay: float | None = None, eps: float | None = None) -> torch.optim.Optimizer:
+        """FusedAdam (or DeepSpeedCPUAdam with adam_offload); no decay on biases and norm weights."""
+        o = self.optim
+        groups = get_param_groups(model, o.l2 if weight_decay is None else weight_decay)
+        return build_optimizer(groups, offload=self.config.adam_offload, lr=o.learning_rate if lr is None else lr,
+                               betas=tuple(betas or o.adam_betas), eps=o.adam_eps if eps is None else eps)
+
+    def create_scheduler(self, optimizer: torch.optim.Optimizer, name: str | None = None, *,
+                         num_training_steps: int, num_warmup_steps: int | None = None,
+                         warmup_ratio: float | None = None, min_lr_ratio: float | None = None):
+        if num_warmup_steps is None and warmup_ratio is None:
+            warmup_ratio = self.optim.lr_warmup_ratio
+        return create_scheduler(optimizer, name or self.optim.lr_scheduler, num_training_steps=num_training_steps,
+                                num_warmup_steps=num_warmup_steps, warmup_ratio=warmup_ratio,
+                                min_lr_ratio=self.optim.min_lr_ratio if min_lr_ratio is None else min_lr_ratio)
+
+    def prepare(self, *items: Any) -> Any:
+        """``(model, optimizer, scheduler)`` tuples become training engines, bare models eval engines;
+        returned in the same order (a single item is returned bare)."""
+        out = [self._prepare_train(*item) if isinstance(item, tuple) else self._prepare_eval(item)
+               for item in items]
+        return out[0] if len(out) == 1 else out
+
+    def _prepare_train(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None):
+        import deepspeed
+
+        if self.config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                          config=self.ds_config, dist_init_required=False)
+        return engine
+
+    def _prepare_eval(self, model: nn.Module):
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(model=model, config=self.eval_ds_config, dist_init_required=False)
+        engine.eval()
+        return engine
+
+    # ------------------------------------------------------------ stepping
+    def backward(self, loss: torch.Tensor, model) -> None:
+        model.backward(loss)
+
+    def optimizer_step(self, model) -> None:
+        """DeepSpeed steps (clip, update, schedule, zero grads) only at accumulation boundaries."""
+        if model.is_gradient_accumulation_boundary() and not hasattr(model.optimizer, "_global_grad_norm"):
+            # plain ZeRO-0 fp32: DeepSpeed clips but discards the norm, so measure it first
+            grads = [p.grad for p in model.module.parameters() if p.grad is not None]
+            model._strategy_grad_norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item() if grads else 0.0
+        model.step()
+
+    def get_grad_norm(self, model) -> float | None:
+        """The global gradient norm (before clipping) of the last optimizer step."""
+        norm = model.get_global_grad_norm()
+        norm = getattr(model, "_strategy_grad_norm", None) if norm is None else norm
+        return None if norm is None else float(norm)
+
+    def setup_dataloader(self, dataset: Dataset, batch_size: int | None = None, shuffle: bool = True,
+                         collate_fn: Callable | None = None, drop_last: bool = True, num_workers: int = 0,
+                         seed: int | None = None) -> DataLoader:
+        """A loader over this rank's shard; its sampler's position is resumable mid-epoch."""
+        sampler = ResumableDistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank,
+                                              shuffle=shuffle, seed=self.config.seed if seed is None else seed,
+                                              drop_last=drop_last)
+        return DataLoader(dataset, batch_size=batch_size or self.config.micro_train_batch_size, sampler=sampler,
+                          collate_fn=collate_fn, drop_last=drop_last, num_workers=num_workers)
+
+    def close(self) -> None:
+        """Drop the ZeRO-3 construction hook so later single-process loads behave normally."""
+        if self._hf_ds_config is not None:
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+            self._hf_ds_config = None
