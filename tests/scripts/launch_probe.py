@@ -1,0 +1,39 @@
+"""Train a tiny model a few steps through the strategy; print one RESULT line per rank.
+
+deepspeed --num_gpus 2 tests/scripts/launch_probe.py --zero_stage 3
+torchrun --nproc_per_node 2 tests/scripts/launch_probe.py
+python tests/scripts/launch_probe.py            # one process, no launcher
+"""
+
+import os
+
+import torch
+
+from strategy import DeepSpeedStrategy, OptimConfig, StrategyConfig, parse_configs
+from strategy.dist import shm_buffer_path
+from tests.models import tiny_llama, token_batches
+
+
+def main() -> None:
+    (cfg, optim), _ = parse_configs([StrategyConfig, OptimConfig],
+                                    ["--micro_train_batch_size", "2", "--train_batch_size", "4",
+                                     "--learning_rate", "1e-2", *os.sys.argv[1:]])
+    s = DeepSpeedStrategy(cfg, optim)
+    s.setup_distributed(timeout=120)
+    model = s.from_pretrained(tiny_llama())
+    opt = s.create_optimizer(model)
+    engine = s.prepare((model, opt, s.create_scheduler(opt, num_training_steps=3)))
+    x = token_batches(1, 2, seed=s.rank)[0]
+    for _ in range(3 * s.accumulation_steps):
+        loss = engine(input_ids=x, labels=x).loss
+        s.backward(loss, engine)
+        s.optimizer_step(engine)
+    mean = s.all_reduce(loss.item())
+    shm_left = os.path.exists(shm_buffer_path())
+    print(f"RESULT rank={s.rank} world={s.world_size} stage={engine.zero_optimization_stage()} "
+          f"loss={mean:.6f} shm_left={shm_left} threads={torch.get_num_threads()}", flush=True)
+    s.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""2-rank tests of the strategy's rank helpers, ZeRO-3 partitioned loading, loaders and engines."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import torch
+
+from tests.helpers import gathered_state, make_strategy
+from tests.models import tiny_llama
+
+
+def rank_helpers() -> None:
+    s = make_strategy(stage=0)
+    r, w = s.rank, s.world_size
+    assert w == 2 and s.is_rank_0 == (r == 0)
+    assert s.all_reduce(float(r + 1)) == 1.5
+    assert s.all_reduce(r + 1, op="sum") == 3 and s.all_reduce(r, op="max") == 1 and s.all_reduce(r, op="min") == 0
+    t = torch.tensor([1.0, 2.0]) * (r + 1)
+    assert torch.equal(s.all_reduce(t), torch.tensor([1.5, 3.0])) and torch.equal(t, torch.tensor([1.0, 2.0]) * (r + 1))
+    assert s.all_reduce({"loss": float(r), "acc": {"n": r + 1}}, op="sum") == {"loss": 1.0, "acc": {"n": 3.0}}
+    assert s.all_gather(r * 10) == [0, 10]
+    assert torch.equal(s.all_gather(torch.full((2, 3), float(r))), torch.cat([torch.zeros(2, 3), torch.ones(2, 3)]))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        s.print("hello", r)
+    assert buf.getvalue() == ("hello 0\n" if r == 0 else "")
+    s.barrier()
+    s.close()
+
+
+def test_rank_helpers(ranks):
+    ranks.run(rank_helpers)
+
+
+def zero3_partitioned_load(saved_dir: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    s = make_strategy(stage=3)
+    if s.is_rank_0:
+        torch.manual_seed(3)
+        AutoModelForCausalLM.from_config(tiny_llama()).save_pretrained(saved_dir)
+    s.barrier()
+    reference = AutoModelForCausalLM.from_pretrained(saved_dir).state_dict()
+    model = s.from_pretrained(saved_dir)
+    params = list(model.parameters())
+    assert all(p.numel() == 0 for p in params), "ZeRO-3 load must leave only empty local views"
+    full = sum(p.ds_numel for p in params)
+    local = sum(p.ds_tensor.numel() for p in params)
+    assert full == sum(v.numel() for v in reference.values())
+    assert local <= full / 2 + 2 * len(params), (local, full)  # each rank holds ~half (+ padding)
+    engine = s.prepare((model, s.create_optimizer(model), None))
+    state = gathered_state(engine)
+    for name, value in reference.items():
+        assert torch.equal(state[name], value), name
+    s.close()
+    return {"local": local, "full": full}
+
+
+def test_zero3_partitions_at_construction(ranks, tmp_path):
+    out = ranks.run(zero3_partitioned_load, str(tmp_path / "tiny"))
+    assert out[0]["full"] == out[1]["full"] and out[0]["local"] + out[1]["local"] >= out[0]["full"]
+
+
+def loader_and_eval_engine(stage: int) -> None:
+    import deepspeed
+
+    s = make_strategy(stage=stage)
+    data = list(range(20))
+    seen = [x.item() for batch in s.setup_dataloader(data, batch_size=2, shuffle=True) for x in batch]
+    everyone = s.all_gather(torch.tensor(seen))
+    assert len(seen) == 10 and sorted(everyone.tolist()) == data, "ranks must split the data disjointly"
+
+    model = s.from_pretrained(tiny_llama())
+    optimizer = s.create_optimizer(model)
+    ref = s.from_pretrained(tiny_llama())
+    train, evaluator = s.prepare((model, optimizer, None), ref)
+    assert isinstance(train, deepspeed.DeepSpeedEngine) and train.optimizer is not None
+    assert evaluator.zero_optimization_stage() == (3 if stage == 3 else 0), evaluator.zero_optimization_stage()
+    assert not evaluator.module.training
+    x = torch.randint(0, 96, (2, 8))
+    with torch.no_grad():
+        assert torch.isfinite(evaluator(input_ids=x).logits).all()
+    s.close()
+
+
+def test_dataloader_and_eval_engine(ranks):
+    for stage in (2, 3):
+        ranks.run(loader_and_eval_engine, stage)
