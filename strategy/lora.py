@@ -1,0 +1,32 @@
+"""LoRA adapters through peft, with target modules checked against the model first."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from strategy.config import fail
+
+
+def linear_leaf_names(model: nn.Module) -> set[str]:
+    """Leaf names of the linear-like layers LoRA can adapt (``q_proj``, ``c_attn``, ...)."""
+    kinds = ("Linear", "Conv1D")
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+            if name and any(k in type(m).__name__ for k in kinds)}
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: int, dropout: float, target_modules: str,
+               task_type: str = "CAUSAL_LM", modules_to_save: list[str] | None = None) -> nn.Module:
+    """Wrap ``model`` in a peft LoRA model; only the adapters (and ``modules_to_save``) train."""
+    from peft import LoraConfig, get_peft_model
+
+    targets: str | list[str] = target_modules.strip()
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+        known = linear_leaf_names(model)
+        missing = [t for t in targets if t not in known]
+        if missing:
+            fail("target_modules", target_modules, f"the model has no linear layer named {missing}; "
+                 f"choose from {sorted(known)} or use all-linear")
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                     task_type=task_type, modules_to_save=modules_to_save)
+    return get_peft_model(model, cfg)

@@ -1,0 +1,89 @@
+"""Metric sinks: TensorBoard + a JSONL file (+ wandb when asked) on rank 0, a null logger elsewhere,
+so training loops never branch on rank."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from strategy import dist
+
+
+class NullLogger:
+    """Accepts everything, writes nothing (ranks > 0)."""
+
+    def log(self, step: int, metrics: dict[str, float], prefix: str = "train") -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MetricsLogger(NullLogger):
+    """Writes each ``log`` call to TensorBoard event files, ``metrics.jsonl`` and optionally wandb."""
+
+    def __init__(self, log_dir: str, use_wandb: bool = False, run_name: str | None = None,
+                 config: dict | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        os.makedirs(log_dir, exist_ok=True)
+        self.path = os.path.join(log_dir, "metrics.jsonl")
+        self.jsonl = open(self.path, "a")
+        self.tb = SummaryWriter(log_dir=os.path.join(log_dir, "tensorboard"))
+        self.wandb = _start_wandb(log_dir, run_name, config) if use_wandb else None
+
+    def log(self, step: int, metrics: dict[str, float], prefix: str = "train") -> None:
+        row = {f"{prefix}/{k}": float(v) for k, v in metrics.items() if v is not None}
+        for key, value in row.items():
+            self.tb.add_scalar(key, value, step)
+        self.jsonl.write(json.dumps({"step": step, **row}) + "\n")
+        self.jsonl.flush()
+        if self.wandb is not None:
+            self.wandb.log(row, step=step)
+
+    def close(self) -> None:
+        self.tb.close()
+        self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        plot_curves(self.path, os.path.join(os.path.dirname(self.path), "loss_curve.png"))
+
+
+def plot_curves(jsonl_path: str, png_path: str, keys: tuple[str, ...] = ("train/loss", "eval/loss")) -> None:
+    """Plot the logged losses against the step into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in open(jsonl_path)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key in keys:
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            ax.plot(*zip(*points), marker="." if len(points) < 50 else None, label=key)
+    ax.set(xlabel="optimizer step", ylabel="loss", yscale="log", title="training loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def _start_wandb(log_dir: str, run_name: str | None, config: dict | None) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError("use_wandb=True but wandb is not installed; pip install wandb, or drop --use_wandb") \
+            from None
+    mode = os.environ.get("WANDB_MODE", "offline")  # works without network unless the user opts in
+    return wandb.init(dir=log_dir, name=run_name, config=config or {}, mode=mode)
+
+
+def create_logger(log_dir: str | None, use_wandb: bool = False, run_name: str | None = None,
+                  config: dict | None = None) -> NullLogger:
+    """A real logger on rank 0 (when ``log_dir`` is set), a null one everywhere else."""
+    if log_dir is None or not dist.is_rank_0():
+        return NullLogger()
+    return MetricsLogger(log_dir, use_wandb, run_name, config)

@@ -1,0 +1,161 @@
+"""The training loop every trainer shares; subclasses override small hooks.
+
+The loop never branches on rank: the strategy reduces metrics and writes files on rank 0 only,
+and ranks > 0 get a null logger and a disabled progress bar.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from strategy.metrics import create_logger
+from strategy.trainers.config import TrainConfig
+
+
+class Trainer:
+    """Owns micro-steps, accumulation, evaluation, logging, checkpoints, exports and resume.
+
+    Hooks: ``compute_loss(batch) -> (loss, metrics)`` (required) and ``eval_metrics(batch) -> metrics``
+    (defaults to ``compute_loss`` without gradients). Metrics are floats averaged over micro-steps
+    and ranks.
+    """
+
+    def __init__(self, strategy, model, optimizer, scheduler, train_dataloader, eval_dataloader=None,
+                 config: TrainConfig | None = None, tokenizer: Any = None) -> None:
+        self.strategy, self.cfg, self.tokenizer = strategy, config or TrainConfig(pretrain="unused"), tokenizer
+        self.train_dataloader, self.eval_dataloader = train_dataloader, eval_dataloader
+        self.model = strategy.prepare((model, optimizer, scheduler))
+        self.logger = create_logger(self.cfg.log_dir, self.cfg.use_wandb)
+        self.global_step = 0
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------ hooks
+    def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        raise NotImplementedError("a trainer must implement compute_loss(batch) -> (loss, metrics)")
+
+    def eval_metrics(self, batch: dict) -> dict:
+        loss, metrics = self.compute_loss(batch)
+        return {"loss": loss.item(), **metrics}
+
+    def to_device(self, batch: dict) -> dict:
+        device = self.model.device
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    # ------------------------------------------------------------ loop
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.train_dataloader.dataset) // self.strategy.config.train_batch_size
+
+    def total_steps(self) -> int:
+        total = self.steps_per_epoch * self.cfg.max_epochs
+        return min(total, self.cfg.max_steps) if self.cfg.max_steps > 0 else total
+
+    def fit(self) -> dict:
+        """Train to the end (resuming first if asked); export the final model; return the last metrics."""
+        start_epoch = self._resume() if self.cfg.load_checkpoint else 0
+        total = self.total_steps()
+        bar = tqdm(total=total, initial=self.global_step, desc="train", disable=not self.strategy.is_rank_0,
+                   dynamic_ncols=True, mininterval=2.0)
+        for epoch in range(start_epoch, self.cfg.max_epochs):
+            if epoch > start_epoch or not self.cfg.load_checkpoint:
+                self.train_dataloader.sampler.set_epoch(epoch)
+            if self._train_epoch(epoch, bar, total):
+                break
+        bar.close()
+        final = self.evaluate() if self.eval_dataloader is not None else {}
+        self.save_model(self.cfg.save_path)
+        self.logger.close()
+        return final
+
+    def _train_epoch(self, epoch: int, bar: tqdm, total: int) -> bool:
+        """One pass; True when ``max_steps`` was reached."""
+        self.model.train()
+        sums: dict[str, float] = {}
+        micro = 0
+        for batch in self.train_dataloader:
+            loss, metrics = self.compute_loss(self.to_device(batch))
+            self.strategy.backward(loss, self.model)
+            self.strategy.optimizer_step(self.model)
+            micro += 1
+            for k, v in {"loss": loss.item(), **metrics}.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            if micro % self.strategy.accumulation_steps:
+                continue
+            self.global_step += 1
+            self._after_step(epoch, {k: v / micro for k, v in sums.items()}, bar)
+            sums, micro = {}, 0
+            if self.global_step >= total:
+                return True
+        return False
+
+    def _after_step(self, epoch: int, metrics: dict, bar: tqdm) -> None:
+        step, cfg = self.global_step, self.cfg
+        if step % cfg.logging_steps == 0:
+            metrics = self.strategy.all_reduce(metrics)
+            metrics.update(lr=self.model.get_lr()[0], grad_norm=self.strategy.get_grad_norm(self.model),
+                           epoch=epoch)
+            self.logger.log(step, metrics)
+            self.history.append({"step": step, **metrics})
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}")
+        bar.update(1)
+        if cfg.eval_steps > 0 and step % cfg.eval_steps == 0 and self.eval_dataloader is not None:
+            self.evaluate()
+        if cfg.save_steps > 0 and step % cfg.save_steps == 0:
+            self.save_checkpoint(epoch)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Average ``eval_metrics`` over the held-out loader on all ranks; log and return it."""
+        self.model.eval()
+        sums, count = {}, 0
+        for batch in self.eval_dataloader:
+            for k, v in self.eval_metrics(self.to_device(batch)).items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            count += 1
+        totals = self.strategy.all_reduce({**sums, "_n": count}, op="sum")
+        n = max(totals.pop("_n"), 1)
+        metrics = {k: v / n for k, v in totals.items()}
+        self.logger.log(self.global_step, metrics, prefix="eval")
+        self.strategy.print(f"[eval] step {self.global_step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        self.model.train()
+        return metrics
+
+    # ------------------------------------------------------------ persistence
+    def save_model(self, path: str) -> None:
+        self.strategy.save_model(self.model, self.tokenizer, path, max_shard_size=self.cfg.max_shard_size)
+
+    def save_checkpoint(self, epoch: int) -> None:
+        tag = f"global_step{self.global_step}"
+        path = self.strategy.save_ckpt(self.model, self.cfg.ckpt_path, tag, client_state={"epoch": epoch},
+                                       max_num=self.cfg.max_ckpt_num, max_mem=self.cfg.max_ckpt_mem)
+        if self.cfg.save_hf_ckpt:
+            self.save_model(os.path.join(self.cfg.ckpt_path, f"{tag}_hf"))
+        self.strategy.print(f"[ckpt] saved {path}")
+
+    def _resume(self) -> int:
+        """Load the newest complete checkpoint; return the epoch to continue in."""
+        path, _ = self.strategy.load_ckpt(self.model, self.cfg.ckpt_path, dataloader=self.train_dataloader)
+        if path is None:
+            self.strategy.print(f"[ckpt] nothing to resume in {self.cfg.ckpt_path}; starting fresh")
+            return 0
+        state = self.strategy.resume_state
+        self.global_step = state.global_step
+        self.strategy.print(f"[ckpt] resumed {path} at step {self.global_step}")
+        return state.epoch
+
+
+def log_softmax_gather(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of ``labels`` under next-token ``logits``, and the mask of scored tokens."""
+    logits, labels = logits[:, :-1].float(), labels[:, 1:]
+    mask = labels != -100
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return logp * mask, mask
+
+
+def is_finite(x: float) -> bool:
+    return not (math.isnan(x) or math.isinf(x))
