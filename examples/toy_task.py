@@ -1,6 +1,6 @@
 """The default run's toy task: reverse a short string of letters (learnable in ~2 minutes on CPU).
 
-python examples/toy_task.py make outputs/default/data          # dataset + char tokenizer
+python examples/toy_task.py make outputs/default/data          # SFT rows, preference pairs, char tokenizer
 python examples/toy_task.py evaluate outputs/default/model outputs/default/data/test.jsonl \
     [--compare outputs/default/answers.jsonl]                   # fresh-process reload + exact match
 """
@@ -35,6 +35,14 @@ def sample(rng: random.Random) -> dict:
     return {"input": word + "=", "output": word[::-1]}
 
 
+def to_pair(row: dict, rng: random.Random) -> dict:
+    """A preference pair: the reversal is chosen over the same letters in another order."""
+    letters = list(row["output"])
+    while "".join(letters) == row["output"] and len(set(letters)) > 1:
+        rng.shuffle(letters)
+    return {"prompt": row["input"], "chosen": row["output"], "rejected": "".join(letters) + "a"}
+
+
 def make(out_dir: str, n_train: int = 8192, n_test: int = 128, seed: int = 0) -> None:
     os.makedirs(out_dir, exist_ok=True)
     rng = random.Random(seed)
@@ -47,7 +55,10 @@ def make(out_dir: str, n_train: int = 8192, n_test: int = 128, seed: int = 0) ->
         row = sample(rng)
         if row["input"] not in test:
             train.append(row)
-    for name, rows in (("train", train), ("test", list(test.values()))):
+    pairs = [to_pair(r, rng) for r in train[:2048]]
+    held_pairs = [to_pair(r, rng) for r in test.values()]
+    for name, rows in (("train", train), ("test", list(test.values())), ("pairs_train", pairs),
+                       ("pairs_test", held_pairs)):
         with open(os.path.join(out_dir, f"{name}.jsonl"), "w") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows)
     make_tokenizer(os.path.join(out_dir, "tokenizer"))

@@ -1,0 +1,33 @@
+"""DPO on preference pairs against a frozen copy of the starting model.
+
+deepspeed --num_gpus 2 examples/train_dpo.py --config configs/dpo_zero3.yaml
+"""
+
+from strategy.trainers import DPOTrainer
+from strategy.trainers.recipe import Run
+
+
+def main(argv: list[str] | None = None) -> dict:
+    run = Run.from_args(argv)
+    model = run.model()
+    reference = run.strategy.from_pretrained(run.train.pretrain) if run.train.pretrain else _copy_of(run, model)
+    train_loader, eval_loader = run.loaders("pairs")
+    optimizer, scheduler = run.optimizer_and_scheduler(model, train_loader)
+    trainer = DPOTrainer(run.strategy, model, reference, optimizer, scheduler, train_loader, eval_loader, run.train,
+                         run.tokenizer)
+    metrics = trainer.fit()
+    run.strategy.close()
+    return metrics
+
+
+def _copy_of(run: Run, model):
+    """A from-scratch run (--model_config) has no checkpoint to reload: copy the fresh weights."""
+    import copy
+
+    if run.strategy.config.zero_stage == 3 or run.lora.lora_rank:
+        raise SystemExit("DPO from --model_config needs ZeRO 0-2 without LoRA; pass --pretrain MODEL_DIR instead")
+    return copy.deepcopy(model).requires_grad_(False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""Reward model on preference pairs (prompt, chosen, rejected) from a local file.
+
+deepspeed --num_gpus 2 examples/train_rm.py --config configs/rm_zero2.yaml
+"""
+
+from transformers import AutoModelForSequenceClassification
+
+from strategy.trainers import RewardModelTrainer
+from strategy.trainers.recipe import Run
+
+
+def main(argv: list[str] | None = None) -> dict:
+    run = Run.from_args(argv)
+    model = run.model(AutoModelForSequenceClassification, lora_task="SEQ_CLS", modules_to_save=["score"],
+                      num_labels=1)
+    train_loader, eval_loader = run.loaders("pairs")
+    optimizer, scheduler = run.optimizer_and_scheduler(model, train_loader)
+    trainer = RewardModelTrainer(run.strategy, model, optimizer, scheduler, train_loader, eval_loader, run.train,
+                                 run.tokenizer)
+    metrics = trainer.fit()
+    run.strategy.close()
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
