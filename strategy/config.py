@@ -43,6 +43,8 @@ class StrategyConfig:
     bf16: bool = doc("train in bfloat16 with fp32 master weights", False)
     fp16: bool = doc("train in float16 with dynamic loss scaling", False)
     adam_offload: bool = doc("keep optimizer states on CPU and step with DeepSpeedCPUAdam (ZeRO >= 1)", False)
+    offload_ratio: float = doc("share of optimizer states ZeRO-3 offloads (offload_optimizer.ratio; adam_offload)",
+                               1.0)
     param_offload: bool = doc("keep parameters on CPU between uses (ZeRO-3 only)", False)
     micro_train_batch_size: int = doc("samples per rank per forward/backward", 8)
     train_batch_size: int = doc("global samples per optimizer step (micro x accumulation x world)", 128)
@@ -52,6 +54,7 @@ class StrategyConfig:
     zpg: int = doc("ZeRO++ hierarchical partition size (hpZ); 1 disables", 1)
     grad_accum_dtype: str | None = doc("dtype gradients accumulate in: fp32, bf16 or fp16 (default: DeepSpeed's)", None)
     overlap_comm: bool = doc("overlap gradient reduction with backward", False)
+    timeout_minutes: float = doc("a collective waiting longer than this fails (a hung or lost rank)", 30.0)
     ds_config_overrides: dict = doc("dict deep-merged last into the DeepSpeed config", {})
 
     def validate(self) -> None:
@@ -65,16 +68,26 @@ class StrategyConfig:
         if self.train_batch_size % self.micro_train_batch_size:
             fail("train_batch_size", self.train_batch_size,
                  f"must be a multiple of micro_train_batch_size={self.micro_train_batch_size}")
+        if self.timeout_minutes <= 0:
+            fail("timeout_minutes", self.timeout_minutes, "use a positive number of minutes, e.g. 30")
         if self.max_norm < 0:
             fail("max_norm", self.max_norm, "use 0 (no clipping) or a positive norm")
         if self.adam_offload and self.zero_stage == 0:
             fail("adam_offload", True, "optimizer offload needs ZeRO; set --zero_stage 1, 2 or 3")
+        if not 0 < self.offload_ratio <= 1:
+            fail("offload_ratio", self.offload_ratio, "use a fraction in (0, 1]; 1.0 offloads every optimizer state")
+        if self.offload_ratio < 1 and (self.zero_stage != 3 or not self.adam_offload):
+            fail("offload_ratio", self.offload_ratio, "partial offload runs only with ZeRO-3 and optimizer offload; "
+                 "set --zero_stage 3 --adam_offload, or offload_ratio 1.0")
         if self.param_offload and self.zero_stage != 3:
             fail("param_offload", True, f"parameter offload needs ZeRO-3, got zero_stage={self.zero_stage}")
         if self.grad_accum_dtype not in (None, "fp32", "bf16", "fp16"):
             fail("grad_accum_dtype", self.grad_accum_dtype, "use fp32, bf16 or fp16")
         if not isinstance(self.ds_config_overrides, dict):
             fail("ds_config_overrides", self.ds_config_overrides, "use a mapping, e.g. {steps_per_print: 10}")
+        from strategy.ds_config import check_overrides
+
+        check_overrides(self.ds_config_overrides)
 
     def validate_world(self, world_size: int) -> None:
         """Checks that need the number of ranks (known from the launcher's env before init)."""
@@ -88,6 +101,9 @@ class StrategyConfig:
         return self.train_batch_size // (self.micro_train_batch_size * world_size)
 
 
+OPTIMIZERS = ("fused_adam", "cpu_adam", "hybrid_adam")
+
+
 @dataclass
 class OptimConfig:
     """Optimizer and learning-rate schedule."""
@@ -99,6 +115,8 @@ class OptimConfig:
     l2: float = doc("decoupled weight decay (not applied to biases and norm weights)", 0.0)
     adam_betas: tuple[float, float] = doc("Adam beta1 beta2", (0.9, 0.95))
     adam_eps: float = doc("Adam epsilon", 1e-8)
+    optimizer: str = doc("fused_adam (DeepSpeedCPUAdam with adam_offload), cpu_adam (DeepSpeedCPUAdam) or hybrid_adam",
+                         "fused_adam")
 
     def validate(self) -> None:
         if self.learning_rate <= 0:
@@ -113,6 +131,8 @@ class OptimConfig:
             fail("adam_betas", self.adam_betas, "use two values in [0, 1), e.g. 0.9 0.95")
         if self.adam_eps <= 0:
             fail("adam_eps", self.adam_eps, "use a small positive epsilon, e.g. 1e-8")
+        if self.optimizer not in OPTIMIZERS:
+            fail("optimizer", self.optimizer, f"use one of {', '.join(OPTIMIZERS)}")
         from transformers.trainer_utils import SchedulerType
 
         names = {s.value for s in SchedulerType} | {"cosine_annealing_warmup"}

@@ -6,6 +6,7 @@ import builtins
 import os
 import random
 import socket
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -96,6 +97,58 @@ def init_distributed(timeout: timedelta) -> None:
     if not is_initialized():
         deepspeed.init_distributed(dist_backend=backend_name(), timeout=timeout)
     remove_shm_buffer()
+    install_failure_hook()
+
+
+def install_failure_hook() -> None:
+    """On an uncaught exception: say which rank failed (and which peer failed first, when a
+    collective broke because of it), then exit at once instead of hanging in teardown, so the
+    launcher stops the other ranks."""
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb) -> None:
+        previous(exc_type, exc, tb)
+        rank, world = get_rank(), get_world_size()
+        first = _failed_peers(rank, world)
+        _mark_failed(rank, f"{exc_type.__name__}: {exc}"[:300])
+        cause = f"; rank {first[0]} failed first ({first[1]})" if first else ""
+        sys.stderr.write(f"[strategy] rank {rank} of {world} failed: {exc_type.__name__}: "
+                         f"{str(exc)[:300]}{cause}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
+
+    if getattr(sys.excepthook, "__name__", "") != "hook":
+        sys.excepthook = hook
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store() if is_initialized() else None
+    except Exception:  # noqa: BLE001 - best effort: the store may be gone with rank 0
+        return None
+
+
+def _mark_failed(rank: int, message: str) -> None:
+    store = _store()
+    if store is not None:
+        try:
+            store.set(f"strategy_failed/{rank}", message)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _failed_peers(rank: int, world: int) -> tuple[int, str] | None:
+    store = _store()
+    for peer in range(world):
+        if store is None or peer == rank:
+            continue
+        try:
+            if store.check([f"strategy_failed/{peer}"]):
+                return peer, store.get(f"strategy_failed/{peer}").decode()
+        except Exception:  # noqa: BLE001
+            return None
+    return None
 
 
 def shm_buffer_path(rank: int | None = None) -> str:

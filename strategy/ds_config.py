@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import difflib
+import functools
 
 from strategy.config import StrategyConfig
 
@@ -43,6 +45,8 @@ def build_ds_config(cfg: StrategyConfig, world_size: int) -> dict:
     }
     if cfg.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if cfg.adam_offload and cfg.offload_ratio < 1:
+        zero["offload_optimizer"]["ratio"] = cfg.offload_ratio
     if cfg.zpg > 1:
         zero["zero_hpz_partition_size"] = cfg.zpg
     out = {
@@ -53,6 +57,8 @@ def build_ds_config(cfg: StrategyConfig, world_size: int) -> dict:
         "prescale_gradients": False,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
+        # ZeRO-Offload with a client optimizer other than DeepSpeedCPUAdam (HybridAdam) is refused without it
+        **({"zero_force_ds_cpu_optimizer": False} if cfg.adam_offload else {}),
         **_precision(cfg),
     }
     if cfg.grad_accum_dtype:
@@ -76,3 +82,50 @@ def build_eval_ds_config(cfg: StrategyConfig, world_size: int) -> dict:
     zero_overrides = cfg.ds_config_overrides.get("zero_optimization", {})
     keep = {k: v for k, v in zero_overrides.items() if k.startswith("stage3_")}
     return deep_merge(out, {"zero_optimization": keep} if stage == 3 and keep else {})
+
+
+@functools.lru_cache(maxsize=1)
+def known_top_level_keys() -> frozenset[str]:
+    """Every string constant DeepSpeed's config and constants modules define: a superset of the keys
+    it reads at the top level of its config (it silently ignores any other)."""
+    import importlib
+    import os
+
+    import deepspeed
+
+    root = os.path.dirname(deepspeed.__file__)
+    keys: set[str] = set()
+    for dirpath, _, files in os.walk(root):
+        for name in ("constants.py", "config.py"):
+            if name not in files:
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, name[:-3]), os.path.dirname(root))
+            try:
+                module = importlib.import_module(rel.replace(os.sep, "."))
+            except Exception:  # noqa: BLE001 - optional backends fail to import on some machines
+                continue
+            keys |= {v for k, v in vars(module).items() if k.isupper() and isinstance(v, str)}
+    return frozenset(keys)
+
+
+def check_overrides(overrides: dict) -> None:
+    """Refuse keys DeepSpeed would ignore (top level) or reject late, deep inside initialize (ZeRO section)."""
+    from strategy.config import ConfigError
+
+    known = known_top_level_keys()
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "see DeepSpeed's config reference"
+            raise ConfigError(f"ds_config_overrides has unknown key {key!r} that DeepSpeed would ignore; {hint}")
+    zero = overrides.get("zero_optimization")
+    if isinstance(zero, dict):
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        from pydantic import ValidationError
+
+        try:
+            DeepSpeedZeroConfig(**zero)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise ConfigError(f"ds_config_overrides.zero_optimization.{where} is invalid: {err['msg']}") from None

@@ -95,10 +95,11 @@ class Trainer:
 
     def _after_step(self, epoch: int, metrics: dict, bar: tqdm) -> None:
         step, cfg = self.global_step, self.cfg
+        metrics = self.strategy.all_reduce(metrics)  # every step: all ranks see the same loss
+        self._check_finite(metrics["loss"], epoch)
         if step % cfg.logging_steps == 0:
-            metrics = self.strategy.all_reduce(metrics)
             metrics.update(lr=self.model.get_lr()[0], grad_norm=self.strategy.get_grad_norm(self.model),
-                           epoch=epoch)
+                           epoch=epoch, skipped_steps=self.model.skipped_steps)
             self.logger.log(step, metrics)
             self.history.append({"step": step, **metrics})
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}")
@@ -107,6 +108,15 @@ class Trainer:
             self.evaluate()
         if cfg.save_steps > 0 and step % cfg.save_steps == 0:
             self.save_checkpoint(epoch)
+
+    def _check_finite(self, loss: float, epoch: int) -> None:
+        """fp16: the loss scaler skips overflow steps (counted in ``skipped_steps``); otherwise a
+        non-finite loss stops every rank at once, naming the step."""
+        if is_finite(loss) or self.strategy.config.fp16:
+            return
+        raise FloatingPointError(f"non-finite training loss ({loss}) at step {self.global_step}, epoch {epoch}; "
+                                 f"lower --learning_rate, keep --max_norm > 0, or check the data (last checkpoint "
+                                 f"in {self.cfg.ckpt_path} if --save_steps was set)")
 
     @torch.no_grad()
     def evaluate(self) -> dict:

@@ -33,6 +33,7 @@ class Run:
     def from_args(cls, argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> "Run":
         (s_cfg, o_cfg, t_cfg, d_cfg, l_cfg), ns = parse_configs(CONFIG_CLASSES, argv, parser)
         check_paths(t_cfg, d_cfg)
+        check_lora_targets(t_cfg, l_cfg)
         strategy = DeepSpeedStrategy(s_cfg, o_cfg)
         strategy.setup_distributed()
         run = cls(strategy, t_cfg, d_cfg, l_cfg, args=ns)
@@ -93,6 +94,24 @@ def check_paths(train: TrainConfig, data: DataConfig) -> None:
         path = getattr(train, name)
         if path is not None and not _writable(path):
             raise ConfigError(f"{name}={path!r} is invalid: cannot create or write it; choose a writable directory")
+
+
+def check_lora_targets(train: TrainConfig, lora: LoraConfig) -> None:
+    """Check LoRA target modules on a weightless (meta-device) copy of the model, before any rank starts."""
+    if not lora.lora_rank or lora.target_modules.strip() == "all-linear":
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from strategy.lora import linear_leaf_names
+
+    config = AutoConfig.from_pretrained(train.pretrain) if train.pretrain else hf_config(train.model_config)
+    with torch.device("meta"):
+        known = linear_leaf_names(AutoModelForCausalLM.from_config(config))
+    missing = [t.strip() for t in lora.target_modules.split(",") if t.strip() not in known]
+    if missing:
+        raise ConfigError(f"target_modules={lora.target_modules!r} is invalid: the model has no linear layer named "
+                          f"{missing}; choose from {sorted(known)} or use all-linear")
 
 
 def _writable(path: str) -> bool:

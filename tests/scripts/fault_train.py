@@ -1,0 +1,48 @@
+"""SFT on toy data with an injected fault on one rank at one step (for the fault tests).
+
+torchrun --nproc_per_node 2 tests/scripts/fault_train.py --fault raise --fault_rank 1 --fault_step 3 [SFT flags]
+"""
+
+import argparse
+import os
+import signal
+
+import torch
+
+from strategy.trainers import SFTTrainer
+from strategy.trainers.recipe import Run
+
+
+class FaultySFT(SFTTrainer):
+    fault, fault_rank, fault_step = "none", 1, 3
+
+    def compute_loss(self, batch: dict):
+        loss, metrics = super().compute_loss(batch)
+        if self.global_step + 1 == self.fault_step and self.strategy.rank == self.fault_rank:
+            if self.fault == "raise":
+                raise ValueError(f"injected failure on rank {self.fault_rank}")
+            if self.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+        if self.global_step + 1 >= self.fault_step and self.fault == "nan":
+            loss = loss * torch.tensor(float("nan"))
+        return loss, metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fault", default="none", choices=["none", "raise", "kill", "nan"])
+    parser.add_argument("--fault_rank", type=int, default=1)
+    parser.add_argument("--fault_step", type=int, default=3)
+    run = Run.from_args(None, parser)
+    model = run.model()
+    train, held = run.loaders("sft")
+    trainer = FaultySFT(run.strategy, model, *run.optimizer_and_scheduler(model, train), train, held, run.train,
+                        run.tokenizer)
+    trainer.fault, trainer.fault_rank, trainer.fault_step = run.args.fault, run.args.fault_rank, run.args.fault_step
+    trainer.fit()
+    run.strategy.print(f"DONE step={trainer.global_step}")
+    run.strategy.close()
+
+
+if __name__ == "__main__":
+    main()
