@@ -1,0 +1,109 @@
+"""Bad settings through the real entry point (``Run.from_args``): each fails with its one-line message
+before any process group starts (``deepspeed.init_distributed`` is made to fail loudly if reached)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from strategy import ConfigError
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    from toy_task import make_tokenizer
+
+    root = tmp_path_factory.mktemp("bad")
+    make_tokenizer(str(root / "tok"))
+    (root / "d.jsonl").write_text(json.dumps({"input": "ab=", "output": "ba"}) + "\n")
+    return root
+
+
+def _base(toy) -> dict:
+    return {"model_config": "configs/tiny_llama.json", "tokenizer": f"{toy}/tok", "dataset": f"{toy}/d.jsonl",
+            "micro_train_batch_size": 1, "train_batch_size": 2, "save_path": f"{toy}/out", "log_dir": None,
+            "ckpt_path": f"{toy}/ckpt"}
+
+
+CASES = [
+    ({"zero_stage": 4}, "zero_stage=4 is invalid"),
+    ({"bf16": True, "fp16": True}, "bf16 and fp16 are exclusive"),
+    ({"train_batch_size": 3}, "train_batch_size=3 is invalid: must be a multiple of micro_train_batch_size x "
+                              "world_size = 1 x 2 = 2"),
+    ({"adam_offload": True, "zero_stage": 0}, "optimizer offload needs ZeRO"),
+    ({"param_offload": True, "zero_stage": 1}, "parameter offload needs ZeRO-3"),
+    ({"offload_ratio": 0.5, "zero_stage": 2, "adam_offload": True}, "offload_ratio=0.5 is invalid"),
+    ({"ds_config_overrides": {"gradient_clippin": 1.0}}, "unknown key 'gradient_clippin' that DeepSpeed would ignore"),
+    ({"ds_config_overrides": {"zero_optimization": {"stage3_param_persitence_threshold": 0}}},
+     "zero_optimization.stage3_param_persitence_threshold is invalid"),
+    ({"timeout_minutes": 0}, "timeout_minutes=0.0 is invalid"),
+    ({"learning_rate": -1}, "learning_rate=-1.0 is invalid"),
+    ({"optimizer": "sgd"}, "optimizer='sgd' is invalid"),
+    ({"lr_scheduler": "warmup_forever"}, "lr_scheduler='warmup_forever' is invalid"),
+    ({"max_epochs": 0}, "max_epochs=0 is invalid"),
+    ({"eval_steps": 0}, "eval_steps=0 is invalid"),
+    ({"save_steps": -5}, "save_steps=-5 is invalid"),
+    ({"beta": 0}, "beta=0.0 is invalid"),
+    ({"label_smoothing": 0.5}, "label_smoothing=0.5 is invalid"),
+    ({"max_ckpt_mem": 0}, "max_ckpt_mem=0.0 is invalid"),
+    ({"model_config": None}, "pretrain=None is invalid: set --pretrain"),
+    ({"model_config": "configs/missing.json"}, "model_config='configs/missing.json' is invalid: no such file"),
+    ({"dataset": "nope/train.jsonl"}, "dataset='nope/train.jsonl' is invalid: no such file"),
+    ({"dataset": None}, "dataset=None is invalid"),
+    ({"eval_dataset": "nope/test.jsonl"}, "eval_dataset='nope/test.jsonl' is invalid: no such file"),
+    ({"tokenizer": None}, "tokenizer=None is invalid"),
+    ({"save_path": "FILE/out"}, "/d.jsonl/out' is invalid: cannot create or write it"),
+    ({"max_len": 1}, "max_len=1 is invalid"),
+    ({"overlong": "cut"}, "overlong='cut' is invalid"),
+    ({"max_samples": 0}, "max_samples=0 is invalid"),
+    ({"lora_rank": -1}, "lora_rank=-1 is invalid"),
+    ({"lora_rank": 4, "lora_dropout": 1.0}, "lora_dropout=1.0 is invalid"),
+    ({"lora_rank": 4, "target_modules": "q_proj,qkv_proj"}, "the model has no linear layer named ['qkv_proj']"),
+]
+
+
+def _argv(values: dict) -> list[str]:
+    out = []
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            out.append(f"--{key}" if value else f"--no-{key}")
+            continue
+        out.append(f"--{key}={json.dumps(value) if isinstance(value, dict) else value}")
+    return out
+
+
+@pytest.mark.parametrize("change,message", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_bad_setting_fails_before_process_group(toy, monkeypatch, change, message):
+    import deepspeed
+
+    from strategy.trainers.recipe import Run
+
+    def reached(*args, **kwargs):
+        raise AssertionError("init_distributed was reached")
+
+    monkeypatch.setattr(deepspeed, "init_distributed", reached)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError) as err:
+        change = {k: v.replace("FILE", f"{toy}/d.jsonl") if isinstance(v, str) else v for k, v in change.items()}
+        Run.from_args(_argv({**_base(toy), **change}))
+    text = str(err.value)
+    assert message in text and "\n" not in text, text
+
+
+def test_yaml_with_bad_key_fails_the_same_way(toy, tmp_path, monkeypatch):
+    from strategy.trainers.recipe import Run
+
+    path = tmp_path / "c.yaml"
+    path.write_text("zero_stage: 2\nlearning_rat: 1.0e-5\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: unknown key 'learning_rat'; did you mean 'learning_rate'\?"):
+        Run.from_args(["--config", str(path)])
+    path.write_text("zero_stage: three\n")
+    with pytest.raises(ConfigError, match=r"zero_stage='three' is invalid: expected int"):
+        Run.from_args(["--config", str(path)])
