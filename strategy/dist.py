@@ -183,7 +183,7 @@ def all_reduce(data: Any, op: str = "mean") -> Any:
     if op not in _OPS:
         raise ValueError(f"op={op!r} is invalid: use one of {sorted(_OPS)}")
     if isinstance(data, dict):
-        return {k: all_reduce(v, op) for k, v in data.items()}
+        return _all_reduce_dict(data, op)
     t = _to_tensor(data)
     t = t.clone() if isinstance(data, torch.Tensor) else t
     if is_initialized():
@@ -193,6 +193,29 @@ def all_reduce(data: Any, op: str = "mean") -> Any:
     if isinstance(data, torch.Tensor):
         return t.to(device=data.device, dtype=data.dtype if data.is_floating_point() else t.dtype)
     return t.item()
+
+
+def _flatten(data: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    out = []
+    for key, value in data.items():
+        out += _flatten(value, prefix + (key,)) if isinstance(value, dict) else [(prefix + (key,), value)]
+    return out
+
+
+def _all_reduce_dict(data: dict, op: str) -> dict:
+    """Numbers in a nested dict travel in one collective; tensors each in their own."""
+    leaves = _flatten(data)
+    numbers = [(path, v) for path, v in leaves if not isinstance(v, torch.Tensor)]
+    reduced = dict(zip([p for p, _ in numbers], all_reduce(torch.tensor([float(v) for _, v in numbers],
+                                                                        dtype=torch.float64), op).tolist()))
+    reduced.update({path: all_reduce(v, op) for path, v in leaves if isinstance(v, torch.Tensor)})
+    out: dict = {}
+    for path, _ in leaves:
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = reduced[path]
+    return out
 
 
 def all_gather(data: Any) -> Any:

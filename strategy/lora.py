@@ -29,4 +29,6 @@ def apply_lora(model: nn.Module, rank: int, alpha: int, dropout: float, target_m
                  f"choose from {sorted(known)} or use all-linear")
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                      task_type=task_type, modules_to_save=modules_to_save)
-    return get_peft_model(model, cfg)
+    # autocast_adapter_dtype=False keeps adapters in the model dtype: fp32 adapters in a bf16 model
+    # make DeepSpeed fail on mixed dtypes
+    return get_peft_model(model, cfg, autocast_adapter_dtype=False)
