@@ -195,6 +195,15 @@ def all_reduce(data: Any, op: str = "mean") -> Any:
     return t.item()
 
 
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s picklable ``obj`` on every rank (small objects: messages, decisions)."""
+    if not is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def _flatten(data: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
     out = []
     for key, value in data.items():

@@ -71,9 +71,10 @@ def save_model(model: nn.Module, tokenizer: Any, output_dir: str | Path, max_sha
                     sink.write(unit)
             sink.release()
         sink.finish(lambda d: _write_metadata(module, tokenizer, d, peft and not merge_lora, dtype, plan))
-        failed = dist.all_reduce(int(sink.error is not None), "max")
-        if failed:  # every rank raises, so none waits in a later collective
-            raise RuntimeError(f"saving to {output_dir} failed on rank 0: {sink.error!r}") from sink.error
+        error = dist.broadcast_object(None if sink.error is None else f"{type(sink.error).__name__}: {sink.error}")
+        if error is not None:  # every rank raises the same line, so none waits in a later collective
+            raise RuntimeError(f"saving to {output_dir} failed on rank 0 ({error}); free space or fix the path "
+                               f"and save again: a previous export there is untouched") from sink.error
     dist.barrier()
     return Path(output_dir)
 

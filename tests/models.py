@@ -10,9 +10,9 @@ VOCAB = 96
 def tiny_llama(**kw):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=False, **kw)
+    return LlamaConfig(**{**dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=False), **kw})
 
 
 def tiny_gpt2(**kw):
