@@ -1,0 +1,48 @@
+"""The rank-0 metrics logger: JSONL, TensorBoard, loss curve, and wandb in offline mode."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+from strategy.metrics import MetricsLogger, NullLogger, create_logger
+
+
+def test_logger_writes_jsonl_tensorboard_and_curve(tmp_path):
+    log = create_logger(str(tmp_path))
+    assert isinstance(log, MetricsLogger)
+    for step in range(1, 4):
+        log.log(step, {"loss": 1.0 / step, "lr": 0.1, "grad_norm": None})
+    log.log(3, {"loss": 0.5}, prefix="eval")
+    log.close()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert rows[0] == {"step": 1, "train/loss": 1.0, "train/lr": 0.1} and rows[-1] == {"step": 3, "eval/loss": 0.5}
+    assert (tmp_path / "loss_curve.png").stat().st_size > 1000
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents*"))
+
+
+def test_no_log_dir_or_other_rank_gets_null_logger(tmp_path, monkeypatch):
+    assert type(create_logger(None)) is NullLogger
+    monkeypatch.setenv("RANK", "1")
+    assert type(create_logger(str(tmp_path / "x"))) is NullLogger and not (tmp_path / "x").exists()
+
+
+def test_wandb_runs_offline_by_default(tmp_path, monkeypatch):
+    calls = {}
+
+    class Run:
+        def log(self, row, step):
+            calls.setdefault("rows", []).append((step, row))
+
+        def finish(self):
+            calls["finished"] = True
+
+    fake = types.SimpleNamespace(init=lambda **kw: calls.update(init=kw) or Run())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    log = create_logger(str(tmp_path), use_wandb=True, run_name="r", config={"lr": 1})
+    log.log(5, {"loss": 2.0})
+    log.close()
+    assert calls["init"]["mode"] == "offline" and calls["init"]["config"] == {"lr": 1}
+    assert calls["rows"] == [(5, {"train/loss": 2.0})] and calls["finished"]
