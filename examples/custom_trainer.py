@@ -31,11 +31,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--z_loss", type=float, default=1e-4, help="weight of the z-loss")
     run = Run.from_args(argv, parser)
-    model = run.model()
-    train_loader, eval_loader = run.loaders("sft")
-    optimizer, scheduler = run.optimizer_and_scheduler(model, train_loader)
-    trainer = ZLossSFTTrainer(run.strategy, model, optimizer, scheduler, train_loader, eval_loader, run.train,
-                              run.tokenizer)
+    trainer = run.trainer(ZLossSFTTrainer, run.model())
     trainer.z_loss = run.args.z_loss
     metrics = trainer.fit()
     run.strategy.close()

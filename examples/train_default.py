@@ -23,11 +23,7 @@ from strategy.trainers.recipe import Run  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     run = Run.from_args(argv)
-    model = run.model()
-    train_loader, eval_loader = run.loaders("sft")
-    optimizer, scheduler = run.optimizer_and_scheduler(model, train_loader)
-    trainer = SFTTrainer(run.strategy, model, optimizer, scheduler, train_loader, eval_loader, run.train,
-                         run.tokenizer)
+    trainer = run.trainer(SFTTrainer, run.model())
     trainer.fit()
 
     rows = [json.loads(line) for line in open(run.data.eval_dataset)]

@@ -11,11 +11,7 @@ def main(argv: list[str] | None = None) -> dict:
     run = Run.from_args(argv)
     model = run.model()
     reference = run.strategy.from_pretrained(run.train.pretrain) if run.train.pretrain else _copy_of(run, model)
-    train_loader, eval_loader = run.loaders("pairs")
-    optimizer, scheduler = run.optimizer_and_scheduler(model, train_loader)
-    trainer = DPOTrainer(run.strategy, model, reference, optimizer, scheduler, train_loader, eval_loader, run.train,
-                         run.tokenizer)
-    metrics = trainer.fit()
+    metrics = run.trainer(DPOTrainer, model, "pairs", ref_model=reference).fit()
     run.strategy.close()
     return metrics
 

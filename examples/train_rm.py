@@ -13,11 +13,7 @@ def main(argv: list[str] | None = None) -> dict:
     run = Run.from_args(argv)
     model = run.model(AutoModelForSequenceClassification, lora_task="SEQ_CLS", modules_to_save=["score"],
                       num_labels=1)
-    train_loader, eval_loader = run.loaders("pairs")
-    optimizer, scheduler = run.optimizer_and_scheduler(model, train_loader)
-    trainer = RewardModelTrainer(run.strategy, model, optimizer, scheduler, train_loader, eval_loader, run.train,
-                                 run.tokenizer)
-    metrics = trainer.fit()
+    metrics = run.trainer(RewardModelTrainer, model, "pairs").fit()
     run.strategy.close()
     return metrics
 

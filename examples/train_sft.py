@@ -10,12 +10,7 @@ from strategy.trainers.recipe import Run
 
 def main(argv: list[str] | None = None) -> dict:
     run = Run.from_args(argv)
-    model = run.model()
-    train_loader, eval_loader = run.loaders("sft")
-    optimizer, scheduler = run.optimizer_and_scheduler(model, train_loader)
-    trainer = SFTTrainer(run.strategy, model, optimizer, scheduler, train_loader, eval_loader, run.train,
-                         run.tokenizer)
-    metrics = trainer.fit()
+    metrics = run.trainer(SFTTrainer, run.model()).fit()
     run.strategy.close()
     return metrics
 

@@ -7,6 +7,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from strategy.config import OPTIMIZERS, fail
+
 NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm)
 if hasattr(nn, "RMSNorm"):
     NORM_TYPES = NORM_TYPES + (nn.RMSNorm,)
@@ -59,13 +61,25 @@ def get_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(groups: Iterable[dict], *, offload: bool, lr: float, betas: tuple[float, float],
-                    eps: float) -> torch.optim.Optimizer:
-    """DeepSpeedCPUAdam when optimizer states live on CPU, else DeepSpeed's FusedAdam."""
+                    eps: float, name: str = "fused_adam") -> torch.optim.Optimizer:
+    """``name`` picks the kernel: fused_adam is DeepSpeed's FusedAdam, or DeepSpeedCPUAdam when optimizer
+    states live on CPU (``offload``); cpu_adam is always DeepSpeedCPUAdam; hybrid_adam is ``HybridAdam``."""
     groups = [{k: v for k, v in g.items() if k != "names"} for g in groups]
-    if offload:
+    if name == "hybrid_adam":
+        from strategy.hybrid_adam import HybridAdam
+
+        return HybridAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)
+    if name == "cpu_adam" or (name == "fused_adam" and offload):
+        from deepspeed.accelerator import get_accelerator
+
+        if not offload and get_accelerator().device_name() != "cpu":
+            fail("optimizer", name, "DeepSpeedCPUAdam steps CPU tensors only; set --adam_offload, "
+                 "or use fused_adam or hybrid_adam")
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)
+    if name != "fused_adam":
+        fail("optimizer", name, f"use one of {', '.join(OPTIMIZERS)}")
     from deepspeed.ops.adam import FusedAdam
 
     return FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)

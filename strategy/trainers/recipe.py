@@ -72,6 +72,13 @@ class Run:
                                              collate_fn=collate, drop_last=False)
         return train_loader, eval_loader
 
+    def trainer(self, cls: type, model, kind: str = "sft", **kwargs: Any):
+        """``cls`` (a Trainer subclass) wired with loaders, optimizer and schedule for ``model``."""
+        train, held = self.loaders(kind)
+        optimizer, scheduler = self.optimizer_and_scheduler(model, train)
+        return cls(self.strategy, model, optimizer=optimizer, scheduler=scheduler, train_dataloader=train,
+                   eval_dataloader=held, config=self.train, tokenizer=self.tokenizer, **kwargs)
+
     def optimizer_and_scheduler(self, model, train_loader) -> tuple[Any, Any]:
         steps = len(train_loader.dataset) // self.strategy.config.train_batch_size * self.train.max_epochs
         steps = min(steps, self.train.max_steps) if self.train.max_steps > 0 else steps

@@ -34,10 +34,7 @@ def main() -> None:
     parser.add_argument("--fault_rank", type=int, default=1)
     parser.add_argument("--fault_step", type=int, default=3)
     run = Run.from_args(None, parser)
-    model = run.model()
-    train, held = run.loaders("sft")
-    trainer = FaultySFT(run.strategy, model, *run.optimizer_and_scheduler(model, train), train, held, run.train,
-                        run.tokenizer)
+    trainer = run.trainer(FaultySFT, run.model())
     trainer.fault, trainer.fault_rank, trainer.fault_step = run.args.fault, run.args.fault_rank, run.args.fault_step
     trainer.fit()
     run.strategy.print(f"DONE step={trainer.global_step}")
