@@ -27,11 +27,15 @@ class DeepSpeedStrategy:
         self.optim = optim or OptimConfig()
         self.optim.validate()
         self._hf_ds_config = None  # keeps transformers' ZeRO-3 hook alive while models are built
+        self.resume_state = None  # set by load_ckpt: a checkpoint.ResumeState, or None when nothing was resumed
 
     # ------------------------------------------------------------ ranks
-    def setup_distributed(self, timeout: timedelta | float = timedelta(minutes=30)) -> None:
-        """Validate against the launcher's world size, seed every RNG, start the process group."""
-        if not isinstance(timeout, timedelta):
+    def setup_distributed(self, timeout: timedelta | float | None = None) -> None:
+        """Validate against the launcher's world size, seed every RNG, start the process group.
+        ``timeout`` (seconds or timedelta; default ``config.timeout_minutes``) bounds every collective."""
+        if timeout is None:
+            timeout = timedelta(minutes=self.config.timeout_minutes)
+        elif not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=timeout)
         self.config.validate_world(dist.get_world_size())
         dist.seed_everything(self.config.seed)
@@ -89,11 +93,18 @@ class DeepSpeedStrategy:
 
     def create_optimizer(self, model: nn.Module, lr: float | None = None, betas: tuple[float, float] | None = None,
                          weight_decay: float | None = None, eps: float | None = None) -> torch.optim.Optimizer:
-        """FusedAdam (or DeepSpeedCPUAdam with adam_offload); no decay on biases and norm weights."""
+        """The ``optim.optimizer`` kernel (FusedAdam, DeepSpeedCPUAdam with adam_offload, or HybridAdam);
+        no decay on biases and norm weights."""
+        from strategy.config import fail
+
         o = self.optim
+        if self.config.offload_ratio < 1 and o.optimizer == "hybrid_adam":
+            fail("offload_ratio", self.config.offload_ratio, "DeepSpeed's partial offload runs only with "
+                 "DeepSpeedCPUAdam; use optimizer fused_adam or cpu_adam, or offload_ratio 1.0")
         groups = get_param_groups(model, o.l2 if weight_decay is None else weight_decay)
         return build_optimizer(groups, offload=self.config.adam_offload, lr=o.learning_rate if lr is None else lr,
-                               betas=tuple(betas or o.adam_betas), eps=o.adam_eps if eps is None else eps)
+                               betas=tuple(betas or o.adam_betas), eps=o.adam_eps if eps is None else eps,
+                               name=o.optimizer)
 
     def create_scheduler(self, optimizer: torch.optim.Optimizer, name: str | None = None, *,
                          num_training_steps: int, num_warmup_steps: int | None = None,
@@ -153,8 +164,47 @@ class DeepSpeedStrategy:
         sampler = ResumableDistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank,
                                               shuffle=shuffle, seed=self.config.seed if seed is None else seed,
                                               drop_last=drop_last)
+        # its own generator: iter() would otherwise draw from the global torch RNG, so a resumed
+        # mid-epoch run would shift every later dropout mask by one draw
+        generator = torch.Generator().manual_seed(self.config.seed if seed is None else seed)
         return DataLoader(dataset, batch_size=batch_size or self.config.micro_train_batch_size, sampler=sampler,
-                          collate_fn=collate_fn, drop_last=drop_last, num_workers=num_workers)
+                          collate_fn=collate_fn, drop_last=drop_last, num_workers=num_workers, generator=generator)
+
+    # ------------------------------------------------------------ Hugging Face export (strategy/export.py)
+    def save_model(self, model, tokenizer: Any, output_dir: str, max_shard_size: int | str = "5GB",
+                   dtype: torch.dtype | str | None = None, merge_lora: bool = False):
+        """Every rank: stream an HF directory (sharded safetensors, config, tokenizer; a LoRA model's
+        adapter, or merged with ``merge_lora``) to ``output_dir``, atomically, written by rank 0 only."""
+        from strategy.export import save_model
+
+        return save_model(model, tokenizer, output_dir, max_shard_size=max_shard_size, dtype=dtype,
+                          merge_lora=merge_lora)
+
+    # ------------------------------------------------------------ resume checkpoints (strategy/checkpoint.py)
+    def save_ckpt(self, model, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                  max_num: int = 3, max_mem: float = 1000, metric: float | None = None, keep_best: int = 0,
+                  higher_is_better: bool = False) -> str:
+        """Every rank: save a resume checkpoint (step, samples, RNG, scheduler, ``client_state``) at an
+        accumulation boundary; keep at most ``max_num`` of them and ``max_mem`` GB (HF exports at
+        ``<tag>_hf`` included), plus the ``keep_best`` best by ``metric``. Returns its directory."""
+        from strategy.checkpoint import save_checkpoint
+
+        return save_checkpoint(model, save_dir, tag, client_state, max_num=max_num, max_mem=max_mem,
+                               metric=metric, keep_best=keep_best, higher_is_better=higher_is_better)
+
+    def load_ckpt(self, model, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+                  load_lr_scheduler_states: bool = True, dataloader: DataLoader | None = None,
+                  universal: bool | None = None) -> tuple[str | None, dict]:
+        """Every rank: resume from ``tag`` or the newest complete checkpoint; returns ``(path, client_state)``,
+        ``(None, {})`` when there is none. ``dataloader`` (from ``setup_dataloader``) is moved to the saved
+        position; ``self.resume_state`` holds step, consumed samples, epoch and position in it. A
+        checkpoint from another world size is converted to DeepSpeed's universal format (``universal``
+        forces or forbids that)."""
+        from strategy.checkpoint import load_checkpoint
+
+        path, state, self.resume_state = load_checkpoint(
+            model, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, dataloader, universal)
+        return path, state
 
     def close(self) -> None:
         """Drop the ZeRO-3 construction hook so later single-process loads behave normally."""
