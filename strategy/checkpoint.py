@@ -23,8 +23,10 @@ import torch
 
 from strategy import dist
 from strategy.config import fail
+from strategy.export import save_model_metadata
 from strategy.retention import HF_SUFFIX, META, STAGING, apply_retention, read_meta, remove_dir, scan, validate_limits
 from strategy.rng_state import capture_rng, restore_rng, save_rng
+from strategy.safe_load import verify_torch_files, weights_only_loads
 
 LATEST = "latest"
 CLIENT_KEY = "strategy_client_state"  # the caller's client_state, kept apart from DeepSpeed's own keys
@@ -175,10 +177,23 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None, client_s
     _check_boundary(engine)
     staging = os.path.join(save_dir, STAGING)
     on_rank_0(_reset_staging, staging)  # drops what a killed save left
-    engine.save_checkpoint(staging, tag, client_state={CLIENT_KEY: dict(client_state or {})}, save_latest=False)
     staged = os.path.join(staging, tag)
-    save_rng(rng, staged, dist.get_rank())
-    dist.barrier()  # every rank's files are on disk
+    error = None
+    try:
+        engine.save_checkpoint(staging, tag, client_state={CLIENT_KEY: dict(client_state or {})}, save_latest=False)
+    except Exception as e:  # noqa: BLE001 - a failed write comes before DeepSpeed's closing barrier:
+        error = _write_error(e, save_dir)
+        dist.barrier()  # meet the ranks that are waiting in it
+    try:
+        save_rng(rng, staged, dist.get_rank()) if error is None else None
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
+        error = _write_error(e, save_dir)
+    failed = dist.first_error(error)  # also the barrier: every rank's files are on disk
+    if failed:
+        raise RuntimeError(f"saving checkpoint {tag!r} to {save_dir} failed on rank {failed[0]} ({failed[1]}); "
+                           f"free disk space and save again: earlier checkpoints are intact and load_ckpt still "
+                           f"picks the newest of them")
+    on_rank_0(save_model_metadata, engine, staged)  # config.json for `python -m strategy.export`
     meta = {"format": 1, "tag": tag, "saved_at": time.time(), "world_size": dist.get_world_size(),
             "zero_stage": int(engine.zero_optimization_stage()), "metric": None if metric is None else float(metric),
             "param_groups": _param_groups(engine), **progress(engine)}
@@ -187,6 +202,11 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None, client_s
     if deleted:
         dist.print0(f"checkpoint retention deleted {deleted} from {save_dir}")
     return final
+
+
+def _write_error(e: Exception, save_dir: str) -> str:
+    free = shutil.disk_usage(save_dir).free if os.path.isdir(save_dir) else -1
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}; {free} bytes free"
 
 
 def _reset_staging(staging: str) -> None:
@@ -268,10 +288,12 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, load_opt
     kw = {"load_optimizer_states": load_optimizer_states, "load_lr_scheduler_states": load_lr_scheduler_states}
     if universal is None:
         universal = meta["world_size"] != dist.get_world_size() and meta["zero_stage"] > 0
-    if universal:
-        path, state = _load_universal(engine, ckpt_dir, meta, **kw)
-    else:
-        path, state = engine.load_checkpoint(load_dir, tag, **kw)
+    verify_torch_files(ckpt_dir)
+    with weights_only_loads():
+        if universal:
+            path, state = _load_universal(engine, ckpt_dir, meta, **kw)
+        else:
+            path, state = engine.load_checkpoint(load_dir, tag, **kw)
     if path is None:
         raise RuntimeError(f"load_dir={load_dir!r}: DeepSpeed could not load tag {tag!r}; check {ckpt_dir}")
     pos = progress(engine, dataloader)  # the position in this run's loader (the world size may have changed)

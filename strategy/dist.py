@@ -204,6 +204,15 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def first_error(error: str | None) -> tuple[int, str] | None:
+    """Collective: the lowest rank whose ``error`` is not None, with its message; None when all are."""
+    errors = [error]
+    if is_initialized():
+        errors = [None] * get_world_size()
+        dist.all_gather_object(errors, error)
+    return next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+
+
 def _flatten(data: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
     out = []
     for key, value in data.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -89,3 +90,85 @@ def test_save_model_on_full_disk_keeps_previous_export(ranks, small_disk, stage)
     messages = ranks.run(save_model_on_full_disk, str(small_disk / "model"), stage, timeout=120)
     assert messages[0] == messages[1] and "No space left on device" in messages[0], messages
     assert str(small_disk / "model") in messages[0] and "\n" not in messages[0], messages
+
+
+def _trained_engine(stage: int):
+    s = make_strategy(stage)
+    model = s.from_pretrained(tiny_llama())
+    optimizer = s.create_optimizer(model)
+    engine = s.prepare((model, optimizer, s.create_scheduler(optimizer, num_training_steps=10)))
+    x = torch.randint(0, 96, (2, 8))
+    for _ in range(s.accumulation_steps):
+        s.backward(engine(input_ids=x, labels=x).loss, engine)
+        s.optimizer_step(engine)
+    return s, engine
+
+
+def checkpoint_size(save_dir: str, stage: int) -> int:
+    s, engine = _trained_engine(stage)
+    path = s.save_ckpt(engine, save_dir)
+    s.close()
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def save_ckpt_on_full_disk(save_dir: str, stage: int) -> str:
+    s, engine = _trained_engine(stage)
+    first = s.save_ckpt(engine, save_dir, tag="first")
+    with pytest.raises(RuntimeError) as err:
+        s.save_ckpt(engine, save_dir, tag="second")
+    path, _ = s.load_ckpt(engine, save_dir)
+    assert path == first and s.resume_state.tag == "first"  # the earlier checkpoint still loads
+    s.close()
+    return str(err.value)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_ckpt_on_full_disk_keeps_previous(ranks, tmp_path, stage):
+    size = ranks.run(checkpoint_size, str(tmp_path / "probe"), stage)[0]
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.5)}", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        messages = ranks.run(save_ckpt_on_full_disk, str(mnt / "ckpt"), stage, timeout=120)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+    assert messages[0] == messages[1] and "saving checkpoint 'second'" in messages[0], messages
+    free = int(re.search(r"; (-?\d+) bytes free\)", messages[0]).group(1))
+    assert 0 <= free < size, messages  # the error says how little room was left
+
+
+def corrupt_checkpoint(save_dir: str, victim: str) -> str:
+    s, engine = _trained_engine(2)
+    with pytest.raises(RuntimeError) as err:
+        s.load_ckpt(engine, save_dir)
+    s.close()
+    return str(err.value)
+
+
+def save_for_corruption(save_dir: str) -> list[str]:
+    s, engine = _trained_engine(2)
+    path = s.save_ckpt(engine, save_dir)
+    s.close()
+    return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".pt"))
+
+
+def test_damaged_checkpoint_file_is_named_on_every_rank(ranks, tmp_path):
+    files = ranks.run(save_for_corruption, str(tmp_path / "ckpt"))[0]
+    victim = files[-1]
+    data = open(victim, "rb").read()
+    with open(victim, "wb") as fh:
+        fh.write(data[: len(data) // 2])
+    messages = ranks.run(corrupt_checkpoint, str(tmp_path / "ckpt"), victim)
+    assert all(m.startswith(f"{victim}: damaged or truncated checkpoint file") for m in messages), messages
+
+
+def test_offline_export_of_a_save_ckpt_checkpoint(ranks, tmp_path):
+    """save_ckpt stores config.json beside the weights, so the CLI needs nothing else."""
+    from transformers import AutoModelForCausalLM
+
+    ranks.run(save_for_corruption, str(tmp_path / "ckpt"))
+    proc = subprocess.run([os.sys.executable, "-m", "strategy.export", str(tmp_path / "ckpt"), str(tmp_path / "hf")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.hidden_size == 32
