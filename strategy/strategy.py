@@ -38,8 +38,21 @@ class DeepSpeedStrategy:
         elif not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=timeout)
         self.config.validate_world(dist.get_world_size())
+        self._check_accelerator()
         dist.seed_everything(self.config.seed)
         dist.init_distributed(timeout)
+
+    def _check_accelerator(self) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        from strategy.config import fail
+
+        acc = get_accelerator()
+        if self.config.fp16 and not acc.is_fp16_supported():
+            fail("fp16", True, f"DeepSpeed has no fp16 training on this machine's accelerator ({acc.device_name()}); "
+                 "use --bf16, or run on a GPU")
+        if self.config.bf16 and not acc.is_bf16_supported():
+            fail("bf16", True, f"this accelerator ({acc.device_name()}) has no bf16; use --fp16 or fp32")
 
     @property
     def rank(self) -> int:

@@ -107,3 +107,17 @@ def test_yaml_with_bad_key_fails_the_same_way(toy, tmp_path, monkeypatch):
     path.write_text("zero_stage: three\n")
     with pytest.raises(ConfigError, match=r"zero_stage='three' is invalid: expected int"):
         Run.from_args(["--config", str(path)])
+
+
+def test_fp16_refused_where_deepspeed_cannot_train_it(toy, monkeypatch):
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from strategy.trainers.recipe import Run
+
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("this accelerator trains fp16")
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda *a, **k: pytest.fail("init_distributed was reached"))
+    with pytest.raises(ConfigError, match=r"fp16=True is invalid: DeepSpeed has no fp16 training on this machine's "
+                                          r"accelerator \(cpu\); use --bf16"):
+        Run.from_args(_argv({**_base(toy), "fp16": True}))

@@ -69,3 +69,17 @@ def test_nan_loss_is_reported_with_its_step(toy):
     proc, seconds = _job(toy, "nan", "--fault", "nan", "--fault_step", "3")
     assert proc.returncode != 0 and seconds < 120
     assert "non-finite training loss (nan) at step 3" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_fp16_overflow_steps_are_skipped_and_counted(toy):
+    """fp16 (GPU only: DeepSpeed has no fp16 training on CPU): an overflowing step is skipped by the
+    loss scaler, counted as skipped_steps in the metrics, and training goes on."""
+    import json
+
+    proc, _ = _job(toy, "fp16", "--fp16", "--no-bf16", "--learning_rate", "1e3", "--logging_steps", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(toy / "fp16" / "logs" / "metrics.jsonl")]
+    skipped = [r["train/skipped_steps"] for r in rows if "train/skipped_steps" in r]
+    assert skipped and skipped[-1] >= 1, skipped
