@@ -151,3 +151,25 @@ def test_pairs_collate_chosen_then_rejected(tmp_path, tok):
     assert batch["input_ids"].shape[0] == 2
     assert tok.decode(batch["input_ids"][0], skip_special_tokens=True) == "ab=ba"
     assert tok.decode(batch["input_ids"][1], skip_special_tokens=True) == "ab=aab"
+
+
+def test_parquet_and_json_array_files(tmp_path, tok):
+    import pandas as pd
+
+    rows = [{"input": "ab=", "output": "ba"}, {"input": "abc=", "output": "cba"}]
+    pd.DataFrame(rows).to_parquet(tmp_path / "d.parquet")
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    from_parquet = ds.load_sft(str(tmp_path / "d.parquet"), tok, DataConfig())
+    from_json = ds.load_sft(str(tmp_path / "d.json"), tok, DataConfig())
+    assert from_parquet == from_json == ds.load_sft(_write(tmp_path, rows), tok, DataConfig())
+    assert len(ds.load_sft(str(tmp_path / "d.parquet"), tok, DataConfig(), max_samples=1)) == 1
+
+
+def test_chat_template_wraps_prompt_only(tmp_path, tok):
+    tok.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    path = _write(tmp_path, [{"input": "ab", "output": "ba"}])
+    sample = ds.load_sft(path, tok, DataConfig(apply_chat_template=True))[0]
+    text = tok.decode(sample["input_ids"], skip_special_tokens=True)
+    assert text.endswith("ba") and "ab" in text and "=" in text
+    n_prompt = sum(v == -100 for v in sample["labels"])
+    assert tok.decode(sample["input_ids"][:n_prompt]).endswith("=")  # template (with generation prompt) is masked
