@@ -27,7 +27,7 @@ class Trainer:
 
     def __init__(self, strategy, model, optimizer, scheduler, train_dataloader, eval_dataloader=None,
                  config: TrainConfig | None = None, tokenizer: Any = None) -> None:
-        self.strategy, self.cfg, self.tokenizer = strategy, config or TrainConfig(pretrain="unused"), tokenizer
+        self.strategy, self.cfg, self.tokenizer = strategy, config or TrainConfig(), tokenizer
         self.train_dataloader, self.eval_dataloader = train_dataloader, eval_dataloader
         self.model = strategy.prepare((model, optimizer, scheduler))
         self.logger = create_logger(self.cfg.log_dir, self.cfg.use_wandb)

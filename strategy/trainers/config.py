@@ -17,7 +17,7 @@ class TrainConfig:
     max_epochs: int = doc("passes over the training data", 1)
     max_steps: int = doc("stop after this many optimizer steps (-1: run all epochs)", -1)
     logging_steps: int = doc("log loss/lr/grad-norm every N optimizer steps", 1)
-    eval_steps: int = doc("evaluate every N optimizer steps (-1: at the end of each epoch only)", -1)
+    eval_steps: int = doc("evaluate every N optimizer steps (-1: only at the end of training)", -1)
     save_steps: int = doc("save a resume checkpoint every N optimizer steps (-1: never mid-run)", -1)
     save_path: str = doc("directory of the final Hugging Face export", "./outputs/model")
     ckpt_path: str = doc("directory of resume checkpoints", "./outputs/ckpt")
