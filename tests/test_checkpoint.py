@@ -39,9 +39,13 @@ class IndexedTokens(torch.utils.data.Dataset):
 
 
 def train(stage: int, ckpt_dir: str, family: str = "gpt2", stop_at: int | None = None, resume: bool = False,
-          init_seed: int = 0, tag: str | None = None) -> dict:
+          init_seed: int = 0, tag: str | None = None, bf16: bool = False, offload: bool = False,
+          optimizer: str | None = None) -> dict:
     """Train up to STEPS optimizer steps like a trainer would, optionally resuming first / saving at ``stop_at``."""
-    s = make_strategy(stage, micro=2, total=8)
+    s = make_strategy(stage, bf16=bf16, offload=offload, micro=2, total=8)
+    if optimizer is not None:
+        s.optim.optimizer = optimizer
+        s.optim.validate()
     torch.manual_seed(init_seed)  # a resumed run starts from other weights: only the checkpoint can fix that
     model = s.from_pretrained(tiny_gpt2() if family == "gpt2" else tiny_llama())
     opt = s.create_optimizer(model)
@@ -77,11 +81,22 @@ def train(stage: int, ckpt_dir: str, family: str = "gpt2", stop_at: int | None =
 
 
 def _finish(s, engine, losses, seen, lrs, state) -> dict:
-    weights = gathered_state(engine)
+    weights, master = gathered_state(engine), _fp32_master(engine)
+    optimizer = type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__  # under a ZeRO wrapper
     s.close()
     return {"losses": {k: sum(v) / len(v) for k, v in losses.items()}, "seen": seen, "lrs": lrs,
-            "weights": weights, "state": state, "resume": s.resume_state,
-            "rng": (random.random(), torch.rand(1).item())}
+            "weights": weights, "master": master, "state": state, "resume": s.resume_state,
+            "rng": (random.random(), torch.rand(1).item()), "optimizer": optimizer,
+            "dtype": next(engine.module.parameters()).dtype}
+
+
+def _fp32_master(engine) -> list[torch.Tensor]:
+    """This rank's fp32 master partitions (ZeRO-1/2, ZeRO-3 or bf16 ZeRO-0); [] where the model is the master."""
+    opt = engine.optimizer
+    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
+        if getattr(opt, attr, None):
+            return [t.detach().float().clone() for t in getattr(opt, attr)]
+    return []
 
 
 @pytest.mark.slow
@@ -104,6 +119,30 @@ def test_exact_resume(ranks, tmp_path, stage):
             assert torch.equal(value, b["weights"][name]), f"{name} differs after resume"
         assert b["rng"] == f["rng"], "RNG streams differ after the resume"
     assert full[0]["seen"][1] != full[1]["seen"][1], "ranks must see different data"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_exact_resume_bf16(ranks, tmp_path, stage):
+    """bf16 weights with fp32 master weights: the checkpoint must bring back the fp32 masters (not
+    re-derive them from the bf16 weights) for the resumed run to go on bit for bit."""
+    ckpt = str(tmp_path / "ckpt")
+    full = ranks.run(train, stage, ckpt, bf16=True)
+    first = ranks.run(train, stage, ckpt, stop_at=STEPS // 2, bf16=True)
+    second = ranks.run(train, stage, ckpt, resume=True, init_seed=123, bf16=True)
+    for rank in range(2):
+        f, a, b = full[rank], first[rank], second[rank]
+        assert (b["resume"].global_step, b["resume"].epoch_consumed) == (STEPS // 2, 32)
+        assert {**a["losses"], **b["losses"]} == f["losses"], (a["losses"], b["losses"], f["losses"])
+        assert {**a["seen"], **b["seen"]} == f["seen"] and {**a["lrs"], **b["lrs"]} == f["lrs"]
+        assert f["dtype"] == b["dtype"] == torch.bfloat16, "the model does not train in bf16"
+        assert all(w.dtype == torch.float32 for w in f["master"]) and f["master"], "no fp32 master weights?"
+        for i, (want, got) in enumerate(zip(f["master"], b["master"], strict=True)):
+            assert torch.equal(want, got), f"fp32 master partition {i} differs after resume"
+        for name, value in f["weights"].items():
+            assert torch.equal(value, b["weights"][name]), f"bf16 {name} differs after resume"
+        assert b["rng"] == f["rng"], "RNG streams differ after the resume"
+    assert f["losses"][STEPS] < f["losses"][1], "loss did not fall"
 
 
 def test_nothing_to_resume_and_refused_calls(ranks, tmp_path):

@@ -129,7 +129,8 @@ def test_ds_config_stage3_offload_bf16():
                          ds_config_overrides={"zero_optimization": {"reduce_bucket_size": 123}})
     ds = build_ds_config(cfg, world_size=4)
     z = ds["zero_optimization"]
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (2, 2, 16)
+    batch = (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"])
+    assert batch == (2, 2, 16)
     assert z["stage"] == 3 and z["offload_optimizer"]["device"] == "cpu" and z["offload_param"]["device"] == "cpu"
     assert z["stage3_gather_16bit_weights_on_model_save"] is True and z["zero_hpz_partition_size"] == 2
     assert z["overlap_comm"] is True and z["reduce_bucket_size"] == 123  # override merged, siblings kept
@@ -211,7 +212,8 @@ def test_cosine_with_min_lr_values():
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    expected = [t / 2 for t in range(2)] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (t - 2) / 8)) for t in range(2, 10)]
+    cosine = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (t - 2) / 8)) for t in range(2, 10)]
+    expected = [t / 2 for t in range(2)] + cosine
     assert lrs == pytest.approx(expected, abs=1e-9)
 
 

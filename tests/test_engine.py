@@ -91,11 +91,12 @@ def train_vs_reference(stage: int, bf16: bool, offload: bool) -> dict:
 
 
 def _check_weights_and_no_decay(final, ref_final, init, batches, accum, world, micro):
-    from strategy.optim import split_decay_params
     from transformers import AutoModelForCausalLM
 
+    from strategy.optim import split_decay_params
+
     for name, value in final.items():
-        torch.testing.assert_close(value, ref_final[name], rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(value, ref_final[name], rtol=1e-3, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
     _, _, all_decay, _ = _reference(init, batches, accum, world, micro, grouped=False)
     _, no_decay = split_decay_params(AutoModelForCausalLM.from_config(tiny_llama()))
     assert no_decay, "tiny llama must have norm weights"

@@ -320,12 +320,12 @@ def test_offload_ratio_refused_with_hybrid_adam():
 # ---------------------------------------------------------------- inside DeepSpeed (2 ranks)
 
 
-def train_zero2_offload(name: str, steps: int = 4) -> list[float]:
-    """Train tiny LLaMA with ZeRO-2 + optimizer offload with the named optimizer; losses per step."""
+def train_zero2_offload(name: str, steps: int = 4, stage: int = 2) -> list[float]:
+    """Train tiny LLaMA with ZeRO-``stage`` + optimizer offload with the named optimizer; losses per step."""
     from tests.helpers import make_strategy
     from tests.models import tiny_llama, token_batches
 
-    s = make_strategy(2, offload=True)
+    s = make_strategy(stage, offload=True)
     s.optim.optimizer = name
     s.optim.validate()
     model = s.from_pretrained(tiny_llama())
@@ -365,6 +365,43 @@ def test_hybrid_adam_in_zero2_offload_matches_cpu_adam(ranks):
     assert got == pytest.approx(ref, rel=1e-6), (got, ref)
     print(f"losses HybridAdam {got} DeepSpeedCPUAdam {ref}; max relative gap "
           f"{max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)):.2e}")
+
+
+def hybrid_vs_cpu_adam_zero3() -> dict:
+    return {name: train_zero2_offload(name, stage=3) for name in ("cpu_adam", "hybrid_adam")}
+
+
+@pytest.mark.slow
+def test_hybrid_adam_in_zero3_offload_matches_cpu_adam(ranks):
+    out = ranks.run(hybrid_vs_cpu_adam_zero3, timeout=300)
+    ref, got = out[0]["cpu_adam"], out[0]["hybrid_adam"]
+    assert out[0] == out[1], "ranks disagree on the averaged losses"
+    assert got[-1] < got[0], f"HybridAdam did not train: {got}"
+    # ZeRO-3 hands the optimizer its fp32 CPU sub-group partitions; both run DeepSpeed's CPU Adam kernel
+    # on them, so only float rounding of a different call order could separate them (ZeRO-2's tolerance)
+    assert got == pytest.approx(ref, rel=1e-6), (got, ref)
+    print(f"ZeRO-3 losses HybridAdam {got} DeepSpeedCPUAdam {ref}; max relative gap "
+          f"{max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)):.2e}")
+
+
+@pytest.mark.slow
+def test_hybrid_adam_zero2_offload_checkpoint_resumes_exactly(ranks, tmp_path):
+    from tests.test_checkpoint import STEPS as CKPT_STEPS
+    from tests.test_checkpoint import train
+
+    ckpt, kw = str(tmp_path / "ckpt"), dict(offload=True, optimizer="hybrid_adam")
+    full = ranks.run(train, 2, ckpt, **kw)
+    first = ranks.run(train, 2, ckpt, stop_at=CKPT_STEPS // 2, **kw)
+    second = ranks.run(train, 2, ckpt, resume=True, init_seed=123, **kw)
+    for f, a, b in zip(full, first, second, strict=True):
+        assert f["optimizer"] == b["optimizer"] == "HybridAdam"
+        assert b["resume"].global_step == CKPT_STEPS // 2
+        assert {**a["losses"], **b["losses"]} == f["losses"], (a["losses"], b["losses"], f["losses"])
+        for i, (want, got) in enumerate(zip(f["master"], b["master"], strict=True)):
+            assert torch.equal(want, got), f"fp32 partition {i} differs after resume"
+        for name, value in f["weights"].items():
+            assert torch.equal(value, b["weights"][name]), f"{name} differs after resume"
+    assert f["losses"][CKPT_STEPS] < f["losses"][1], "loss did not fall"
 
 
 def partial_offload_run(ratio: float, steps: int = 3) -> dict:

@@ -74,7 +74,8 @@ def test_sft_masking_and_collate(tmp_path, tok):
     batch = ds.collate_sft(tok.pad_token_id)(rows)
     eos, pad = tok.eos_token_id, tok.pad_token_id
     assert batch["input_ids"][1].tolist() == tok("ab=ba", add_special_tokens=False)["input_ids"] + [eos, pad, pad]
-    assert batch["labels"][1].tolist() == [-100] * 3 + tok("ba", add_special_tokens=False)["input_ids"] + [eos, -100, -100]
+    response = tok("ba", add_special_tokens=False)["input_ids"]
+    assert batch["labels"][1].tolist() == [-100] * 3 + response + [eos, -100, -100]
     assert batch["attention_mask"][1].tolist() == [1] * 6 + [0, 0]
 
 
@@ -166,7 +167,8 @@ def test_parquet_and_json_array_files(tmp_path, tok):
 
 
 def test_chat_template_wraps_prompt_only(tmp_path, tok):
-    tok.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    tok.chat_template = ("{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+                         "{% if add_generation_prompt %}={% endif %}")
     path = _write(tmp_path, [{"input": "ab", "output": "ba"}])
     sample = ds.load_sft(path, tok, DataConfig(apply_chat_template=True))[0]
     text = tok.decode(sample["input_ids"], skip_special_tokens=True)
