@@ -19,8 +19,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from strategy import dist
 from strategy.config import fail
 from strategy.export import save_model_metadata
@@ -94,15 +92,6 @@ def _check_boundary(engine: Any) -> None:
 # ------------------------------------------------------------ save
 
 
-def _broadcast(value: Any) -> Any:
-    """Rank 0's value on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def on_rank_0(fn: Any, *args: Any) -> Any:
     """Run ``fn`` on rank 0 only (a collective): every rank gets its result, or raises its error,
     so a failure on rank 0 never leaves the other ranks waiting in a barrier."""
@@ -112,7 +101,7 @@ def on_rank_0(fn: Any, *args: Any) -> Any:
             out = ("ok", fn(*args))
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             out = ("error", e)
-    kind, value = _broadcast(out)
+    kind, value = dist.broadcast_object(out)
     if kind == "error":
         if dist.is_rank_0():
             raise value

@@ -14,19 +14,25 @@ def linear_leaf_names(model: nn.Module) -> set[str]:
             if name and any(k in type(m).__name__ for k in kinds)}
 
 
+def check_targets(model: nn.Module, target_modules: str) -> str | list[str]:
+    """``all-linear``, or the listed names, each of which must be a linear layer of ``model``."""
+    if target_modules.strip() == "all-linear":
+        return "all-linear"
+    targets = [t.strip() for t in target_modules.split(",") if t.strip()]
+    known = linear_leaf_names(model)
+    missing = [t for t in targets if t not in known]
+    if missing:
+        fail("target_modules", target_modules, f"the model has no linear layer named {missing}; "
+             f"choose from {sorted(known)} or use all-linear")
+    return targets
+
+
 def apply_lora(model: nn.Module, rank: int, alpha: int, dropout: float, target_modules: str,
                task_type: str = "CAUSAL_LM", modules_to_save: list[str] | None = None) -> nn.Module:
     """Wrap ``model`` in a peft LoRA model; only the adapters (and ``modules_to_save``) train."""
     from peft import LoraConfig, get_peft_model
 
-    targets: str | list[str] = target_modules.strip()
-    if targets != "all-linear":
-        targets = [t.strip() for t in targets.split(",") if t.strip()]
-        known = linear_leaf_names(model)
-        missing = [t for t in targets if t not in known]
-        if missing:
-            fail("target_modules", target_modules, f"the model has no linear layer named {missing}; "
-                 f"choose from {sorted(known)} or use all-linear")
+    targets = check_targets(model, target_modules)
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                      task_type=task_type, modules_to_save=modules_to_save)
     # autocast_adapter_dtype=False keeps adapters in the model dtype: fp32 adapters in a bf16 model

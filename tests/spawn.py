@@ -12,20 +12,15 @@ import glob
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
 import pytest
 
+from strategy.dist import free_port
+
 GRACE_S = 20  # how long the other ranks get to finish after one rank failed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, env: dict, tasks: mp.Queue, results: mp.Queue) -> None:
@@ -65,7 +60,7 @@ class RankPool:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self.port = _free_port()
+        self.port = free_port()
         ctx = mp.get_context("spawn")
         env = {"WORLD_SIZE": str(world_size), "LOCAL_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(self.port), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

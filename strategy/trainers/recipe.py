@@ -110,15 +110,11 @@ def check_lora_targets(train: TrainConfig, lora: LoraConfig) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from strategy.lora import linear_leaf_names
+    from strategy.lora import check_targets
 
     config = AutoConfig.from_pretrained(train.pretrain) if train.pretrain else hf_config(train.model_config)
     with torch.device("meta"):
-        known = linear_leaf_names(AutoModelForCausalLM.from_config(config))
-    missing = [t.strip() for t in lora.target_modules.split(",") if t.strip() not in known]
-    if missing:
-        raise ConfigError(f"target_modules={lora.target_modules!r} is invalid: the model has no linear layer named "
-                          f"{missing}; choose from {sorted(known)} or use all-linear")
+        check_targets(AutoModelForCausalLM.from_config(config), lora.target_modules)
 
 
 def _writable(path: str) -> bool:
