@@ -9,10 +9,10 @@ cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1 PYTHONPATH="$PWD"
 OUT=${OUT:-outputs/default}
 rm -rf "$OUT"
-python examples/toy_task.py make "$OUT/data"
+python -m strategy.demos.toy_task make "$OUT/data"
 deepspeed --num_gpus 2 --master_port "${MASTER_PORT:-29531}" examples/train_default.py --config configs/default.yaml \
     --tokenizer "$OUT/data/tokenizer" --dataset "$OUT/data/train.jsonl" --eval_dataset "$OUT/data/test.jsonl" \
     --save_path "$OUT/model" --ckpt_path "$OUT/ckpt" --log_dir "$OUT/logs"
-python examples/toy_task.py evaluate "$OUT/model" "$OUT/data/test.jsonl" --compare "$OUT/answers.jsonl" \
+python -m strategy.demos.toy_task evaluate "$OUT/model" "$OUT/data/test.jsonl" --compare "$OUT/answers.jsonl" \
     --min_accuracy "${MIN_ACCURACY:-0.5}"
 echo "logs: $OUT/logs (TensorBoard events, metrics.jsonl, loss_curve.png)"

@@ -1,4 +1,5 @@
-"""The main job: SFT a tiny LLaMA (built from configs/tiny_llama.json) to reverse strings, at 2 CPU ranks.
+"""The main job: SFT a tiny LLaMA (built from configs/tiny_llama.json) to reverse strings, at 2
+CPU ranks.
 
 deepspeed --num_gpus 2 examples/train_default.py --config configs/default.yaml
 
@@ -11,31 +12,30 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from toy_task import generate  # noqa: E402
-
-from strategy.trainers import SFTTrainer  # noqa: E402
-from strategy.trainers.recipe import Run  # noqa: E402
+from strategy.demos.toy_task import generate
+from strategy.trainers import SFTTrainer
+from strategy.trainers.recipe import Run
 
 
 def main(argv: list[str] | None = None) -> None:
-    run = Run.from_args(argv)
-    trainer = run.trainer(SFTTrainer, run.model())
-    trainer.fit()
+    with Run.from_args(argv) as run:
+        trainer = run.trainer(SFTTrainer, run.model())
+        trainer.fit()
+        rows = [json.loads(line) for line in open(run.data.eval_dataset)]
+        trainer.model.eval()
+        answers = generate(trainer.model.module, run.tokenizer, [r["input"] for r in rows],
+                           synced_gpus=run.strategy.config.zero_stage == 3)
+        accuracy = sum(a == r["output"] for a, r in zip(answers, rows)) / len(rows)
+        run.strategy.print(f"in-training model: held-out exact match {accuracy:.1%}")
+        path = os.path.join(run.train.save_path, "..", "answers.jsonl")
+        run.strategy.on_rank_0(write_answers, path, rows, answers)
 
-    rows = [json.loads(line) for line in open(run.data.eval_dataset)]
-    trainer.model.eval()
-    answers = generate(trainer.model.module, run.tokenizer, [r["input"] for r in rows],
-                       synced_gpus=run.strategy.config.zero_stage == 3)
-    acc = sum(a == r["output"] for a, r in zip(answers, rows)) / len(rows)
-    run.strategy.print(f"in-training model: held-out exact match {acc:.1%}")
-    if run.strategy.is_rank_0:
-        with open(os.path.join(run.train.save_path, "..", "answers.jsonl"), "w") as fh:
-            fh.writelines(json.dumps({"input": r["input"], "answer": a}) + "\n" for r, a in zip(rows, answers))
-    run.strategy.close()
+
+def write_answers(path: str, rows: list[dict], answers: list[str]) -> None:
+    with open(path, "w") as fh:
+        fh.writelines(json.dumps({"input": row["input"], "answer": answer}) + "\n"
+                      for row, answer in zip(rows, answers))
 
 
 if __name__ == "__main__":

@@ -3,25 +3,26 @@
 deepspeed --num_gpus 2 examples/train_dpo.py --config configs/dpo_zero3.yaml
 """
 
+import copy
+
 from strategy.trainers import DPOTrainer
 from strategy.trainers.recipe import Run
 
 
 def main(argv: list[str] | None = None) -> dict:
-    run = Run.from_args(argv)
-    model = run.model()
-    reference = run.strategy.from_pretrained(run.train.pretrain) if run.train.pretrain else _copy_of(run, model)
-    metrics = run.trainer(DPOTrainer, model, "pairs", ref_model=reference).fit()
-    run.strategy.close()
-    return metrics
+    with Run.from_args(argv) as run:
+        model = run.model()
+        pretrain = run.model_cfg.pretrain
+        reference = run.strategy.from_pretrained(pretrain) if pretrain else _copy_of(run, model)
+        trainer = run.trainer(DPOTrainer, model, "pairs", ref_model=reference, dpo=run.dpo)
+        return trainer.fit()
 
 
 def _copy_of(run: Run, model):
     """A from-scratch run (--model_config) has no checkpoint to reload: copy the fresh weights."""
-    import copy
-
     if run.strategy.config.zero_stage == 3 or run.lora.lora_rank:
-        raise SystemExit("DPO from --model_config needs ZeRO 0-2 without LoRA; pass --pretrain MODEL_DIR instead")
+        raise SystemExit("DPO from --model_config needs ZeRO 0-2 without LoRA; pass --pretrain "
+                         "MODEL_DIR instead")
     return copy.deepcopy(model).requires_grad_(False)
 
 

@@ -10,12 +10,10 @@ from strategy.trainers.recipe import Run
 
 
 def main(argv: list[str] | None = None) -> dict:
-    run = Run.from_args(argv)
-    model = run.model(AutoModelForSequenceClassification, lora_task="SEQ_CLS", modules_to_save=["score"],
-                      num_labels=1)
-    metrics = run.trainer(RewardModelTrainer, model, "pairs").fit()
-    run.strategy.close()
-    return metrics
+    with Run.from_args(argv) as run:
+        model = run.model(AutoModelForSequenceClassification, lora_task="SEQ_CLS",
+                          modules_to_save=["score"], num_labels=1)
+        return run.trainer(RewardModelTrainer, model, "pairs").fit()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Supervised fine-tuning on a local JSON/JSONL/Parquet file.
 
 deepspeed --num_gpus 2 examples/train_sft.py --config configs/sft_zero2.yaml
-torchrun --nproc_per_node 2 examples/train_sft.py --config configs/sft_zero3.yaml --pretrain MODEL_DIR
+torchrun --nproc_per_node 2 examples/train_sft.py --config configs/sft_zero3.yaml \
+    --pretrain MODEL_DIR
 """
 
 from strategy.trainers import SFTTrainer
@@ -9,10 +10,8 @@ from strategy.trainers.recipe import Run
 
 
 def main(argv: list[str] | None = None) -> dict:
-    run = Run.from_args(argv)
-    metrics = run.trainer(SFTTrainer, run.model()).fit()
-    run.strategy.close()
-    return metrics
+    with Run.from_args(argv) as run:
+        return run.trainer(SFTTrainer, run.model()).fit()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,21 @@
-"""strategy: a small training-strategy framework for Hugging Face models on DeepSpeed ZeRO."""
+"""strategy: a small training-strategy framework for Hugging Face models on DeepSpeed ZeRO.
 
-from strategy.config import ConfigError, OptimConfig, StrategyConfig, parse_configs
+Layers, each importing only from the ones above it:
+    errors, dtypes, internals            what everything shares (no other strategy import)
+    dist, atomic_fs                      ranks and collectives; files that appear whole
+    config/                              typed configs, CLI/YAML binding, DeepSpeed config builder
+    optim/, checkpoint/, sampler, metrics, lora, model, export/    one concern each
+    deepspeed_strategy                   the facade: DeepSpeedStrategy
+    trainers/, demos/                    loops and recipes built on the facade
+"""
+
+from strategy.checkpoint import CheckpointConfig
+from strategy.config import StrategyConfig, build_ds_config, build_eval_ds_config, parse_configs
+from strategy.deepspeed_strategy import DeepSpeedStrategy
 from strategy.dist import print0
-from strategy.ds_config import build_ds_config, build_eval_ds_config
-from strategy.hybrid_adam import HybridAdam
-from strategy.scheduler import CosineAnnealingWarmupLR
-from strategy.strategy import DeepSpeedStrategy
+from strategy.errors import ConfigError, StrategyError
+from strategy.optim import CosineAnnealingWarmupLR, HybridAdam, OptimConfig
 
-__all__ = ["ConfigError", "CosineAnnealingWarmupLR", "DeepSpeedStrategy", "HybridAdam", "OptimConfig",
-           "StrategyConfig", "build_ds_config", "build_eval_ds_config", "parse_configs", "print0"]
+__all__ = ["CheckpointConfig", "ConfigError", "CosineAnnealingWarmupLR", "DeepSpeedStrategy",
+           "HybridAdam", "OptimConfig", "StrategyConfig", "StrategyError", "build_ds_config",
+           "build_eval_ds_config", "parse_configs", "print0"]

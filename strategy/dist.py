@@ -1,4 +1,11 @@
-"""Rank helpers over torch.distributed, device-agnostic through DeepSpeed's accelerator."""
+"""Ranks and collectives over torch.distributed, device-agnostic through DeepSpeed's accelerator.
+
+Also the two rules every multi-rank write follows: ``on_rank_0`` (rank 0 acts; every rank gets its
+result or raises its error, so no rank waits in a later collective for a rank that failed) and
+``raise_if_any_failed`` (each rank may have failed; every rank raises the same one-line error).
+And the failure hook: ``setup_distributed`` installs it so an uncaught exception names its rank
+and exits at once (the launcher then stops the others), ``close()`` removes it.
+"""
 
 from __future__ import annotations
 
@@ -8,27 +15,31 @@ import random
 import socket
 import sys
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
+import deepspeed
 import numpy as np
 import torch
-import torch.distributed as dist
+import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 
-_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-        "min": dist.ReduceOp.MIN}
+from strategy.errors import RankFailedError
+from strategy.internals import default_store, shm_allreduce_buffer_path
+
+_OPS = {"sum": torch_dist.ReduceOp.SUM, "mean": torch_dist.ReduceOp.SUM,
+        "max": torch_dist.ReduceOp.MAX, "min": torch_dist.ReduceOp.MIN}
 
 
 def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return torch_dist.is_available() and torch_dist.is_initialized()
 
 
 def get_rank() -> int:
-    return dist.get_rank() if is_initialized() else int(os.environ.get("RANK", 0))
+    return torch_dist.get_rank() if is_initialized() else int(os.environ.get("RANK", 0))
 
 
 def get_world_size() -> int:
-    return dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    return torch_dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
 def get_local_rank() -> int:
@@ -47,13 +58,16 @@ def print0(*args: Any, **kwargs: Any) -> None:
 
 def barrier() -> None:
     if is_initialized():
-        dist.barrier()
+        torch_dist.barrier()
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ------------------------------------------------------------ start-up
 
 
 def ensure_launch_env() -> None:
@@ -75,13 +89,15 @@ def seed_everything(seed: int) -> None:
 
 
 def backend_name() -> str:
+    """The accelerator's backend; gloo on CPU unless Intel's oneCCL bindings are installed."""
     name = get_accelerator().communication_backend_name()
-    return "gloo" if name == "ccl" and get_accelerator().device_name() == "cpu" and not _has_ccl() else name
+    on_cpu = get_accelerator().device_name() == "cpu"
+    return "gloo" if name == "ccl" and on_cpu and not _has_ccl() else name
 
 
 def _has_ccl() -> bool:
     try:
-        import oneccl_bindings_for_pytorch  # noqa: F401
+        import oneccl_bindings_for_pytorch  # noqa: F401 - optional: only its presence matters
     except ImportError:
         return False
     return True
@@ -89,78 +105,18 @@ def _has_ccl() -> bool:
 
 def init_distributed(timeout: timedelta) -> None:
     """Start the process group once (idempotent), then drop this rank's /dev/shm buffer."""
-    import deepspeed
-
     ensure_launch_env()
-    if not get_accelerator().device_name() == "cpu":
+    if get_accelerator().device_name() != "cpu":
         get_accelerator().set_device(get_local_rank())
     if not is_initialized():
         deepspeed.init_distributed(dist_backend=backend_name(), timeout=timeout)
     remove_shm_buffer()
-    install_failure_hook()
-
-
-def install_failure_hook() -> None:
-    """On an uncaught exception: say which rank failed (and which peer failed first, when a
-    collective broke because of it), then exit at once instead of hanging in teardown, so the
-    launcher stops the other ranks."""
-    previous = sys.excepthook
-
-    def hook(exc_type, exc, tb) -> None:
-        previous(exc_type, exc, tb)
-        rank, world = get_rank(), get_world_size()
-        first = _failed_peers(rank, world)
-        _mark_failed(rank, f"{exc_type.__name__}: {exc}"[:300])
-        cause = f"; rank {first[0]} failed first ({first[1]})" if first else ""
-        sys.stderr.write(f"[strategy] rank {rank} of {world} failed: {exc_type.__name__}: "
-                         f"{str(exc)[:300]}{cause}\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(1)
-
-    if getattr(sys.excepthook, "__name__", "") != "hook":
-        sys.excepthook = hook
-
-
-def _store():
-    try:
-        return dist.distributed_c10d._get_default_store() if is_initialized() else None
-    except Exception:  # noqa: BLE001 - best effort: the store may be gone with rank 0
-        return None
-
-
-def _mark_failed(rank: int, message: str) -> None:
-    store = _store()
-    if store is not None:
-        try:
-            store.set(f"strategy_failed/{rank}", message)
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def _failed_peers(rank: int, world: int) -> tuple[int, str] | None:
-    store = _store()
-    for peer in range(world):
-        if store is None or peer == rank:
-            continue
-        try:
-            if store.check([f"strategy_failed/{peer}"]):
-                return peer, store.get(f"strategy_failed/{peer}").decode()
-        except Exception:  # noqa: BLE001
-            return None
-    return None
-
-
-def shm_buffer_path(rank: int | None = None) -> str:
-    """The file DeepSpeed's CPU shared-memory allreduce creates for a rank (and never removes)."""
-    rank = get_rank() if rank is None else rank
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
 
 
 def remove_shm_buffer() -> None:
-    """Unlink this rank's buffer once every rank has mapped all buffers (mappings stay valid)."""
-    path = shm_buffer_path()
+    """DeepSpeed's CPU shared-memory allreduce leaves one ~69 MB file per rank in /dev/shm; unlink
+    ours once every rank has mapped all buffers (mappings stay valid)."""
+    path = shm_allreduce_buffer_path(get_rank())
     if not os.path.exists(path):
         return
     barrier()  # init returns only after a rank mapped every peer; the barrier makes that global
@@ -170,12 +126,139 @@ def remove_shm_buffer() -> None:
         pass
 
 
-def _to_tensor(x: Any) -> torch.Tensor:
+# ------------------------------------------------------------ failure hook
+
+
+def _failure_hook(exc_type, exc, tb) -> None:
+    """Say which rank failed (and which peer failed first, when a collective broke because of
+    it), then exit at once instead of hanging in teardown, so the launcher stops the others."""
+    _previous_hook(exc_type, exc, tb)
+    rank, world = get_rank(), get_world_size()
+    first = _failed_peer(rank, world)
+    _mark_failed(rank, f"{exc_type.__name__}: {exc}"[:300])
+    cause = f"; rank {first[0]} failed first ({first[1]})" if first else ""
+    sys.stderr.write(f"[strategy] rank {rank} of {world} failed: {exc_type.__name__}: "
+                     f"{str(exc)[:300]}{cause}\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
+
+
+_previous_hook: Callable = sys.excepthook
+
+
+def install_failure_hook() -> None:
+    """Chain ``_failure_hook`` in front of the current ``sys.excepthook`` (once)."""
+    global _previous_hook
+    if sys.excepthook is not _failure_hook:
+        _previous_hook, sys.excepthook = sys.excepthook, _failure_hook
+
+
+def remove_failure_hook() -> None:
+    """Put back the ``sys.excepthook`` that was there before ``install_failure_hook``."""
+    if sys.excepthook is _failure_hook:
+        sys.excepthook = _previous_hook
+
+
+def _mark_failed(rank: int, message: str) -> None:
+    store = default_store()
+    if store is not None:
+        try:
+            store.set(f"strategy_failed/{rank}", message)
+        except Exception:  # noqa: BLE001 - best effort while failing
+            pass
+
+
+def _failed_peer(rank: int, world: int) -> tuple[int, str] | None:
+    store = default_store()
+    if store is None:
+        return None
+    for peer in range(world):
+        if peer == rank:
+            continue
+        try:
+            if store.check([f"strategy_failed/{peer}"]):
+                return peer, store.get(f"strategy_failed/{peer}").decode()
+        except Exception:  # noqa: BLE001 - the store may be gone with rank 0
+            return None
+    return None
+
+
+# ------------------------------------------------------------ every rank agrees
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s picklable ``obj`` on every rank (small objects: messages, decisions)."""
+    if not is_initialized():
+        return obj
+    box = [obj]
+    torch_dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list:
+    """Every rank's picklable ``obj``, in rank order."""
+    if not is_initialized():
+        return [obj]
+    out = [None] * get_world_size()
+    torch_dist.all_gather_object(out, obj)
+    return out
+
+
+def _rebuild(error: BaseException) -> BaseException:
+    """A fresh exception of the same type and message, to raise on a rank that did not fail."""
+    try:
+        return type(error)(*error.args)
+    except Exception:  # noqa: BLE001 - a type that cannot be rebuilt from its args
+        return RankFailedError(str(error))
+
+
+def on_rank_0(fn: Callable, *args: Any) -> Any:
+    """Collective: run ``fn(*args)`` on rank 0 only; every rank returns its result, or raises its
+    error, so a failure on rank 0 never leaves the other ranks waiting in a later collective."""
+    value, error = None, None
+    if is_rank_0():
+        try:
+            value = fn(*args)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+    value, shared = broadcast_object((value, error))
+    if shared is not None:
+        raise error if error is not None else _rebuild(shared)
+    return value
+
+
+def first_error(error: str | None) -> tuple[int, str] | None:
+    """Collective: the lowest rank whose ``error`` is not None, with its message; None when all
+    are."""
+    failed = [(rank, e) for rank, e in enumerate(all_gather_object(error)) if e is not None]
+    return failed[0] if failed else None
+
+
+def raise_if_any_failed(error: BaseException | None, make: Callable[[int, str], BaseException],
+                        detail: str = "") -> None:
+    """Collective: when some rank passes an error, every rank raises ``make(rank, message)`` for the
+    lowest such rank, the message (its error's first line, plus ``detail``) made on that rank."""
+    described = None if error is None else f"{type(error).__name__}: {_first_line(error)}{detail}"
+    failed = first_error(described)
+    if failed is not None:
+        raise make(*failed) from error
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else ""
+
+
+# ------------------------------------------------------------ reductions
+
+
+def _to_tensor(value: Any) -> torch.Tensor:
     device = get_accelerator().current_device_name()
-    if isinstance(x, torch.Tensor):
-        return x.detach().to(device)
-    return torch.tensor(x, dtype=torch.float64 if get_accelerator().device_name() == "cpu"
-                        else torch.float32, device=device)
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device)
+    on_cpu = get_accelerator().device_name() == "cpu"
+    return torch.tensor(value, dtype=torch.float64 if on_cpu else torch.float32, device=device)
 
 
 def all_reduce(data: Any, op: str = "mean") -> Any:
@@ -184,39 +267,25 @@ def all_reduce(data: Any, op: str = "mean") -> Any:
         raise ValueError(f"op={op!r} is invalid: use one of {sorted(_OPS)}")
     if isinstance(data, dict):
         return _all_reduce_dict(data, op)
-    t = _to_tensor(data)
-    t = t.clone() if isinstance(data, torch.Tensor) else t
+    tensor = _to_tensor(data)
+    tensor = tensor.clone() if isinstance(data, torch.Tensor) else tensor
     if is_initialized():
-        dist.all_reduce(t, op=_OPS[op])
+        torch_dist.all_reduce(tensor, op=_OPS[op])
     if op == "mean":
-        t = t / get_world_size()
+        tensor = tensor / get_world_size()
     if isinstance(data, torch.Tensor):
-        return t.to(device=data.device, dtype=data.dtype if data.is_floating_point() else t.dtype)
-    return t.item()
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank ``src``'s picklable ``obj`` on every rank (small objects: messages, decisions)."""
-    if not is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def first_error(error: str | None) -> tuple[int, str] | None:
-    """Collective: the lowest rank whose ``error`` is not None, with its message; None when all are."""
-    errors = [error]
-    if is_initialized():
-        errors = [None] * get_world_size()
-        dist.all_gather_object(errors, error)
-    return next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+        dtype = data.dtype if data.is_floating_point() else tensor.dtype
+        return tensor.to(device=data.device, dtype=dtype)
+    return tensor.item()
 
 
 def _flatten(data: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
     out = []
     for key, value in data.items():
-        out += _flatten(value, prefix + (key,)) if isinstance(value, dict) else [(prefix + (key,), value)]
+        if isinstance(value, dict):
+            out += _flatten(value, prefix + (key,))
+        else:
+            out.append((prefix + (key,), value))
     return out
 
 
@@ -224,8 +293,8 @@ def _all_reduce_dict(data: dict, op: str) -> dict:
     """Numbers in a nested dict travel in one collective; tensors each in their own."""
     leaves = _flatten(data)
     numbers = [(path, v) for path, v in leaves if not isinstance(v, torch.Tensor)]
-    reduced = dict(zip([p for p, _ in numbers], all_reduce(torch.tensor([float(v) for _, v in numbers],
-                                                                        dtype=torch.float64), op).tolist()))
+    packed = torch.tensor([float(v) for _, v in numbers], dtype=torch.float64)
+    reduced = dict(zip([path for path, _ in numbers], all_reduce(packed, op).tolist()))
     reduced.update({path: all_reduce(v, op) for path, v in leaves if isinstance(v, torch.Tensor)})
     out: dict = {}
     for path, _ in leaves:
@@ -241,13 +310,12 @@ def all_gather(data: Any) -> Any:
     after each is made 1-d or more, numbers become a list in rank order."""
     if isinstance(data, dict):
         return {k: all_gather(v) for k, v in data.items()}
-    t = _to_tensor(data)
-    t = t.reshape(1) if t.dim() == 0 else t
-    parts = [torch.empty_like(t) for _ in range(get_world_size())]
+    tensor = _to_tensor(data)
+    tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    parts = [tensor]
     if is_initialized():
-        dist.all_gather(parts, t)
-    else:
-        parts = [t]
+        parts = [torch.empty_like(tensor) for _ in range(get_world_size())]
+        torch_dist.all_gather(parts, tensor)
     if isinstance(data, torch.Tensor):
         return torch.cat(parts).to(data.device)
-    return [p.item() for p in parts]
+    return [part.item() for part in parts]

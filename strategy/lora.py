@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from strategy.config import fail
+from strategy.errors import fail
 
 
 def linear_leaf_names(model: nn.Module) -> set[str]:
     """Leaf names of the linear-like layers LoRA can adapt (``q_proj``, ``c_attn``, ...)."""
     kinds = ("Linear", "Conv1D")
-    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-            if name and any(k in type(m).__name__ for k in kinds)}
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+            if name and any(kind in type(module).__name__ for kind in kinds)}
 
 
 def check_targets(model: nn.Module, target_modules: str) -> str | list[str]:
@@ -30,11 +31,10 @@ def check_targets(model: nn.Module, target_modules: str) -> str | list[str]:
 def apply_lora(model: nn.Module, rank: int, alpha: int, dropout: float, target_modules: str,
                task_type: str = "CAUSAL_LM", modules_to_save: list[str] | None = None) -> nn.Module:
     """Wrap ``model`` in a peft LoRA model; only the adapters (and ``modules_to_save``) train."""
-    from peft import LoraConfig, get_peft_model
-
     targets = check_targets(model, target_modules)
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                     task_type=task_type, modules_to_save=modules_to_save)
+    lora_config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
+                             target_modules=targets, task_type=task_type,
+                             modules_to_save=modules_to_save)
     # autocast_adapter_dtype=False keeps adapters in the model dtype: fp32 adapters in a bf16 model
     # make DeepSpeed fail on mixed dtypes
-    return get_peft_model(model, cfg, autocast_adapter_dtype=False)
+    return get_peft_model(model, lora_config, autocast_adapter_dtype=False)

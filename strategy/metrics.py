@@ -7,6 +7,8 @@ import json
 import os
 from typing import Any
 
+from torch.utils.tensorboard import SummaryWriter
+
 from strategy import dist
 
 
@@ -21,12 +23,11 @@ class NullLogger:
 
 
 class MetricsLogger(NullLogger):
-    """Writes each ``log`` call to TensorBoard event files, ``metrics.jsonl`` and optionally wandb."""
+    """Writes each ``log`` call to TensorBoard event files, ``metrics.jsonl`` and optionally
+    wandb."""
 
     def __init__(self, log_dir: str, use_wandb: bool = False, run_name: str | None = None,
                  config: dict | None = None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
         os.makedirs(log_dir, exist_ok=True)
         self.path = os.path.join(log_dir, "metrics.jsonl")
         self.jsonl = open(self.path, "a")
@@ -50,12 +51,13 @@ class MetricsLogger(NullLogger):
         plot_curves(self.path, os.path.join(os.path.dirname(self.path), "loss_curve.png"))
 
 
-def plot_curves(jsonl_path: str, png_path: str, keys: tuple[str, ...] = ("train/loss", "eval/loss")) -> None:
+def plot_curves(jsonl_path: str, png_path: str,
+                keys: tuple[str, ...] = ("train/loss", "eval/loss")) -> None:
     """Plot the logged losses against the step into a PNG."""
-    import matplotlib
+    import matplotlib  # heavy (~0.5 s): imported once, at the end of a run, on rank 0 only
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use, as matplotlib requires
 
     rows = [json.loads(line) for line in open(jsonl_path)]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -73,10 +75,10 @@ def plot_curves(jsonl_path: str, png_path: str, keys: tuple[str, ...] = ("train/
 
 def _start_wandb(log_dir: str, run_name: str | None, config: dict | None) -> Any:
     try:
-        import wandb
+        import wandb  # optional dependency
     except ImportError:
-        raise RuntimeError("use_wandb=True but wandb is not installed; pip install wandb, or drop --use_wandb") \
-            from None
+        raise RuntimeError("use_wandb=True but wandb is not installed; pip install wandb, "
+                           "or drop --use_wandb") from None
     mode = os.environ.get("WANDB_MODE", "offline")  # works without network unless the user opts in
     return wandb.init(dir=log_dir, name=run_name, config=config or {}, mode=mode)
 

@@ -1,27 +1,24 @@
-"""Building Hugging Face models so that ZeRO-3 partitions them at construction."""
+"""Hugging Face models: building them so ZeRO-3 partitions them at construction, telling PEFT
+models apart, and listing a model's tensors with tied ones once."""
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from typing import Any
 
 import torch
+from peft import PeftModel
 from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
-
-def dtype_of(bf16: bool, fp16: bool) -> torch.dtype:
-    return torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+from strategy.checkpoint.safe_load import check_safetensors_dir
 
 
 def build_hf_model(name_or_config: Any, auto_cls: Any = None, dtype: torch.dtype | None = None,
                    **kwargs: Any) -> nn.Module:
-    """``from_pretrained`` for a path/name, ``from_config`` for a config object. Under a live ZeRO-3
-    ``HfDeepSpeedConfig`` transformers builds inside ``deepspeed.zero.Init``: each rank only ever
-    materializes its own partition."""
-    from transformers import AutoModelForCausalLM, PretrainedConfig
-
+    """``from_pretrained`` for a path/name, ``from_config`` for a config object. Under a live
+    ZeRO-3 ``HfDeepSpeedConfig`` transformers builds inside ``deepspeed.zero.Init``: each rank only
+    ever materializes its own partition. A local directory's weights are checked first."""
     auto_cls = auto_cls or AutoModelForCausalLM
     if isinstance(name_or_config, PretrainedConfig):
         return auto_cls.from_config(name_or_config, dtype=dtype, **kwargs)
@@ -30,39 +27,32 @@ def build_hf_model(name_or_config: Any, auto_cls: Any = None, dtype: torch.dtype
     return auto_cls.from_pretrained(name_or_config, dtype=dtype, **kwargs)
 
 
-class CorruptWeightsError(ValueError):
-    """A weights file that cannot be what its header or index says: the message names the file."""
+def is_peft_model(module: nn.Module) -> bool:
+    return isinstance(module, PeftModel)
 
 
-def check_safetensors_dir(path: str) -> None:
-    """Before loading: every shard the index names exists, and every .safetensors file is as long as
-    its header says (a truncated copy otherwise fails deep inside, or loads garbage lazily)."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if os.path.isfile(index):
-        with open(index) as fh:
-            needed = set(json.load(fh).get("weight_map", {}).values())
-        missing = sorted(needed - set(files))
-        if missing:
-            raise CorruptWeightsError(f"{index} names missing shard(s) {missing}; re-export the model")
-    for name in files:
-        check_safetensors_file(os.path.join(path, name))
+def active_adapter(peft_model: nn.Module) -> str:
+    """The one active adapter of a PEFT model (exports write one)."""
+    names = list(peft_model.active_adapters)
+    if len(names) != 1:
+        raise ValueError(f"model has active adapters {names}: set one with model.set_adapter(name) "
+                         "before saving")
+    return names[0]
 
 
-def check_safetensors_file(path: str) -> None:
-    size = os.path.getsize(path)
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise CorruptWeightsError(f"{path}: truncated ({size} bytes, no safetensors header); re-export it")
-        (n,) = struct.unpack("<Q", head)
-        try:
-            header = json.loads(fh.read(n)) if 8 + n <= size else None
-        except ValueError:
-            header = None
-    if header is None:
-        raise CorruptWeightsError(f"{path}: corrupt safetensors header; re-export it or restore a copy")
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if size != 8 + n + end:
-        raise CorruptWeightsError(f"{path}: {size} bytes but its header needs {8 + n + end} (truncated or "
-                                  f"padded copy); re-export it or restore a complete copy")
+def base_model(module: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper, or ``module`` itself."""
+    return module.get_base_model() if is_peft_model(module) else module
+
+
+def unique_state_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and persistent buffers in ``state_dict`` order; a tied tensor only under its
+    first name, which is the one transformers keeps (``lm_head.weight`` is dropped in favour of
+    the embedding)."""
+    seen: set[int] = set()
+    out = []
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
+            seen.add(id(tensor))
+            out.append((name, tensor))
+    return out

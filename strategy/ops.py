@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import time
 
+from deepspeed.accelerator import get_accelerator
+
 
 def build_ops() -> list[str]:
-    from deepspeed.accelerator import get_accelerator
-
-    names = ["CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder"]  # async_io: only where libaio exists
+    # async_io: only where libaio exists
+    names = ["CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder"]
     if get_accelerator().device_name() == "cpu":
         names.append("ShareMemCommBuilder")
     built = []

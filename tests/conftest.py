@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from tests.spawn import Ranks, shm_buffers
+from tests.support.ranks import Ranks, shm_buffers
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

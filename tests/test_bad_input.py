@@ -1,22 +1,19 @@
-"""Bad settings through the real entry point (``Run.from_args``): each fails with its one-line message
-before any process group starts (``deepspeed.init_distributed`` is made to fail loudly if reached)."""
+"""Bad settings through the real entry point (``Run.from_args``): each fails with its one-line
+message before any process group starts (``deepspeed.init_distributed`` is made to fail loudly if
+reached)."""
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 
 from strategy import ConfigError
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    from toy_task import make_tokenizer
+    from strategy.demos.toy_task import make_tokenizer
 
     root = tmp_path_factory.mktemp("bad")
     make_tokenizer(str(root / "tok"))
@@ -25,22 +22,37 @@ def toy(tmp_path_factory):
 
 
 def _base(toy) -> dict:
-    return {"model_config": "configs/tiny_llama.json", "tokenizer": f"{toy}/tok", "dataset": f"{toy}/d.jsonl",
-            "micro_train_batch_size": 1, "train_batch_size": 2, "save_path": f"{toy}/out", "log_dir": None,
-            "ckpt_path": f"{toy}/ckpt"}
+    return {
+        "model_config": "configs/tiny_llama.json",
+        "tokenizer": f"{toy}/tok",
+        "dataset": f"{toy}/d.jsonl",
+        "micro_train_batch_size": 1,
+        "train_batch_size": 2,
+        "save_path": f"{toy}/out",
+        "log_dir": None,
+        "ckpt_path": f"{toy}/ckpt",
+    }
 
 
 CASES = [
     ({"zero_stage": 4}, "zero_stage=4 is invalid"),
     ({"bf16": True, "fp16": True}, "bf16 and fp16 are exclusive"),
-    ({"train_batch_size": 3}, "train_batch_size=3 is invalid: must be a multiple of micro_train_batch_size x "
-                              "world_size = 1 x 2 = 2"),
+    (
+        {"train_batch_size": 3},
+        "train_batch_size=3 is invalid: must be a multiple of micro_train_batch_size x "
+        "data-parallel ranks = 1 x 2 = 2",
+    ),
     ({"adam_offload": True, "zero_stage": 0}, "optimizer offload needs ZeRO"),
     ({"param_offload": True, "zero_stage": 1}, "parameter offload needs ZeRO-3"),
     ({"offload_ratio": 0.5, "zero_stage": 2, "adam_offload": True}, "offload_ratio=0.5 is invalid"),
-    ({"ds_config_overrides": {"gradient_clippin": 1.0}}, "unknown key 'gradient_clippin' that DeepSpeed would ignore"),
-    ({"ds_config_overrides": {"zero_optimization": {"stage3_param_persitence_threshold": 0}}},
-     "zero_optimization.stage3_param_persitence_threshold is invalid"),
+    (
+        {"ds_config_overrides": {"gradient_clippin": 1.0}},
+        "unknown key 'gradient_clippin' that DeepSpeed would ignore",
+    ),
+    (
+        {"ds_config_overrides": {"zero_optimization": {"stage3_param_persitence_threshold": 0}}},
+        "zero_optimization.stage3_param_persitence_threshold is invalid",
+    ),
     ({"timeout_minutes": 0}, "timeout_minutes=0.0 is invalid"),
     ({"learning_rate": -1}, "learning_rate=-1.0 is invalid"),
     ({"optimizer": "sgd"}, "optimizer='sgd' is invalid"),
@@ -52,10 +64,16 @@ CASES = [
     ({"label_smoothing": 0.5}, "label_smoothing=0.5 is invalid"),
     ({"max_ckpt_mem": 0}, "max_ckpt_mem=0.0 is invalid"),
     ({"model_config": None}, "pretrain=None is invalid: set --pretrain"),
-    ({"model_config": "configs/missing.json"}, "model_config='configs/missing.json' is invalid: no such file"),
+    (
+        {"model_config": "configs/missing.json"},
+        "model_config='configs/missing.json' is invalid: no such file",
+    ),
     ({"dataset": "nope/train.jsonl"}, "dataset='nope/train.jsonl' is invalid: no such file"),
     ({"dataset": None}, "dataset=None is invalid"),
-    ({"eval_dataset": "nope/test.jsonl"}, "eval_dataset='nope/test.jsonl' is invalid: no such file"),
+    (
+        {"eval_dataset": "nope/test.jsonl"},
+        "eval_dataset='nope/test.jsonl' is invalid: no such file",
+    ),
     ({"tokenizer": None}, "tokenizer=None is invalid"),
     ({"save_path": "FILE/out"}, "/d.jsonl/out' is invalid: cannot create or write it"),
     ({"max_len": 1}, "max_len=1 is invalid"),
@@ -63,7 +81,10 @@ CASES = [
     ({"max_samples": 0}, "max_samples=0 is invalid"),
     ({"lora_rank": -1}, "lora_rank=-1 is invalid"),
     ({"lora_rank": 4, "lora_dropout": 1.0}, "lora_dropout=1.0 is invalid"),
-    ({"lora_rank": 4, "target_modules": "q_proj,qkv_proj"}, "the model has no linear layer named ['qkv_proj']"),
+    (
+        {"lora_rank": 4, "target_modules": "q_proj,qkv_proj"},
+        "the model has no linear layer named ['qkv_proj']",
+    ),
 ]
 
 
@@ -91,7 +112,10 @@ def test_bad_setting_fails_before_process_group(toy, monkeypatch, change, messag
     monkeypatch.setattr(deepspeed, "init_distributed", reached)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError) as err:
-        change = {k: v.replace("FILE", f"{toy}/d.jsonl") if isinstance(v, str) else v for k, v in change.items()}
+        change = {
+            k: v.replace("FILE", f"{toy}/d.jsonl") if isinstance(v, str) else v
+            for k, v in change.items()
+        }
         Run.from_args(_argv({**_base(toy), **change}))
     text = str(err.value)
     assert message in text and "\n" not in text, text
@@ -102,7 +126,9 @@ def test_yaml_with_bad_key_fails_the_same_way(toy, tmp_path, monkeypatch):
 
     path = tmp_path / "c.yaml"
     path.write_text("zero_stage: 2\nlearning_rat: 1.0e-5\n")
-    with pytest.raises(ConfigError, match=r"c.yaml: unknown key 'learning_rat'; did you mean 'learning_rate'\?"):
+    with pytest.raises(
+        ConfigError, match=r"c.yaml: unknown key 'learning_rat'; did you mean 'learning_rate'\?"
+    ):
         Run.from_args(["--config", str(path)])
     path.write_text("zero_stage: three\n")
     with pytest.raises(ConfigError, match=r"zero_stage='three' is invalid: expected int"):
@@ -117,7 +143,12 @@ def test_fp16_refused_where_deepspeed_cannot_train_it(toy, monkeypatch):
 
     if get_accelerator().is_fp16_supported():
         pytest.skip("this accelerator trains fp16")
-    monkeypatch.setattr(deepspeed, "init_distributed", lambda *a, **k: pytest.fail("init_distributed was reached"))
-    with pytest.raises(ConfigError, match=r"fp16=True is invalid: DeepSpeed has no fp16 training on this machine's "
-                                          r"accelerator \(cpu\); use --bf16"):
+    monkeypatch.setattr(
+        deepspeed, "init_distributed", lambda *a, **k: pytest.fail("init_distributed was reached")
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"fp16=True is invalid: DeepSpeed has no fp16 training on this machine's "
+        r"accelerator \(cpu\); use --bf16",
+    ):
         Run.from_args(_argv({**_base(toy), "fp16": True}))

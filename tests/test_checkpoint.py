@@ -12,15 +12,19 @@ import time
 import pytest
 import torch
 
-from tests.helpers import gathered_state, make_strategy
-from tests.models import VOCAB, tiny_gpt2, tiny_llama
+from tests.support.helpers import gathered_state, make_strategy
+from tests.support.models import VOCAB, tiny_gpt2, tiny_llama
 
 STEPS = 8  # optimizer steps of the uninterrupted run; the interrupted one stops after STEPS // 2
-SAMPLES = 40  # 5 steps of 8 samples per epoch: the stop (step 4) is mid-epoch and the run crosses an epoch
-# World-size change: the same global batches, but gradients are summed over ranks in another order and
+# 5 steps of 8 samples per epoch: the stop (step 4) is mid-epoch and the run crosses an epoch
+SAMPLES = 40
+# World-size change: the same global batches, but gradients are summed over ranks in another order
+# and
 # the per-rank micro-batch losses averaged by another accumulation split, so fp32 rounding differs.
-# Measured gaps: 3e-8 to 8e-8 relative. 1e-5 leaves room for that rounding yet catches subtle errors:
-# losing the no-decay parameter group's weight_decay=0 (DeepSpeed's ZeRO-3 universal load copies group
+# Measured gaps: 3e-8 to 8e-8 relative. 1e-5 leaves room for that rounding yet catches subtle
+# errors:
+# losing the no-decay parameter group's weight_decay=0 (DeepSpeed's ZeRO-3 universal load copies
+# group
 # 0's settings to every group) moved the loss by 3.6e-5.
 WORLD_CHANGE_RTOL = 1e-5
 
@@ -38,15 +42,26 @@ class IndexedTokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "idx": i}
 
 
-def train(stage: int, ckpt_dir: str, family: str = "gpt2", stop_at: int | None = None, resume: bool = False,
-          init_seed: int = 0, tag: str | None = None, bf16: bool = False, offload: bool = False,
-          optimizer: str | None = None) -> dict:
-    """Train up to STEPS optimizer steps like a trainer would, optionally resuming first / saving at ``stop_at``."""
-    s = make_strategy(stage, bf16=bf16, offload=offload, micro=2, total=8)
-    if optimizer is not None:
-        s.optim.optimizer = optimizer
-        s.optim.validate()
-    torch.manual_seed(init_seed)  # a resumed run starts from other weights: only the checkpoint can fix that
+def train(
+    stage: int,
+    ckpt_dir: str,
+    family: str = "gpt2",
+    stop_at: int | None = None,
+    resume: bool = False,
+    init_seed: int = 0,
+    tag: str | None = None,
+    bf16: bool = False,
+    offload: bool = False,
+    optimizer: str | None = None,
+) -> dict:
+    """Train up to STEPS optimizer steps like a trainer would, optionally resuming first / saving at
+    ``stop_at``."""
+    s = make_strategy(
+        stage, bf16=bf16, offload=offload, micro=2, total=8, optimizer=optimizer or "fused_adam"
+    )
+    torch.manual_seed(
+        init_seed
+    )  # a resumed run starts from other weights: only the checkpoint can fix that
     model = s.from_pretrained(tiny_gpt2() if family == "gpt2" else tiny_llama())
     opt = s.create_optimizer(model)
     engine = s.prepare((model, opt, s.create_scheduler(opt, num_training_steps=STEPS)))
@@ -63,7 +78,10 @@ def train(stage: int, ckpt_dir: str, family: str = "gpt2", stop_at: int | None =
         loader.sampler.set_epoch(epoch, consumed)
         consumed = 0
         for batch in loader:
-            x, step = batch["input_ids"], engine.global_steps + 1  # the optimizer step this micro-batch feeds
+            x, step = (
+                batch["input_ids"],
+                engine.global_steps + 1,
+            )  # the optimizer step this micro-batch feeds
             loss = engine(input_ids=x, labels=x).loss
             s.backward(loss, engine)
             s.optimizer_step(engine)
@@ -72,7 +90,12 @@ def train(stage: int, ckpt_dir: str, family: str = "gpt2", stop_at: int | None =
             lrs[step] = engine.get_lr()[0]
             if engine.micro_steps % engine.gradient_accumulation_steps() == 0:
                 if step == stop_at:
-                    s.save_ckpt(engine, ckpt_dir, tag=tag, client_state={"note": f"stopped at {step}", "step": step})
+                    s.save_ckpt(
+                        engine,
+                        ckpt_dir,
+                        tag=tag,
+                        client_state={"note": f"stopped at {step}", "step": step},
+                    )
                     return _finish(s, engine, losses, seen, lrs, state)
                 if step >= STEPS:
                     break
@@ -82,18 +105,33 @@ def train(stage: int, ckpt_dir: str, family: str = "gpt2", stop_at: int | None =
 
 def _finish(s, engine, losses, seen, lrs, state) -> dict:
     weights, master = gathered_state(engine), _fp32_master(engine)
-    optimizer = type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__  # under a ZeRO wrapper
+    optimizer = type(
+        getattr(engine.optimizer, "optimizer", engine.optimizer)
+    ).__name__  # under a ZeRO wrapper
     s.close()
-    return {"losses": {k: sum(v) / len(v) for k, v in losses.items()}, "seen": seen, "lrs": lrs,
-            "weights": weights, "master": master, "state": state, "resume": s.resume_state,
-            "rng": (random.random(), torch.rand(1).item()), "optimizer": optimizer,
-            "dtype": next(engine.module.parameters()).dtype}
+    return {
+        "losses": {k: sum(v) / len(v) for k, v in losses.items()},
+        "seen": seen,
+        "lrs": lrs,
+        "weights": weights,
+        "master": master,
+        "state": state,
+        "resume": s.resume_state,
+        "rng": (random.random(), torch.rand(1).item()),
+        "optimizer": optimizer,
+        "dtype": next(engine.module.parameters()).dtype,
+    }
 
 
 def _fp32_master(engine) -> list[torch.Tensor]:
-    """This rank's fp32 master partitions (ZeRO-1/2, ZeRO-3 or bf16 ZeRO-0); [] where the model is the master."""
+    """This rank's fp32 master partitions (ZeRO-1/2, ZeRO-3 or bf16 ZeRO-0); [] where the model is
+    the master."""
     opt = engine.optimizer
-    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
+    for attr in (
+        "single_partition_of_fp32_groups",
+        "fp32_partitioned_groups_flat",
+        "fp32_groups_flat_partition",
+    ):
         if getattr(opt, attr, None):
             return [t.detach().float().clone() for t in getattr(opt, attr)]
     return []
@@ -109,11 +147,16 @@ def test_exact_resume(ranks, tmp_path, stage):
     for rank in range(2):
         f, a, b = full[rank], first[rank], second[rank]
         assert b["state"] == {"note": f"stopped at {STEPS // 2}", "step": STEPS // 2}, b["state"]
-        assert (b["resume"].global_step, b["resume"].consumed_samples) == (STEPS // 2, STEPS // 2 * 8)
+        assert (b["resume"].global_step, b["resume"].consumed_samples) == (
+            STEPS // 2,
+            STEPS // 2 * 8,
+        )
         assert (b["resume"].epoch, b["resume"].epoch_consumed) == (0, 32)
         resumed = {**a["losses"], **b["losses"]}
         assert resumed == f["losses"], (resumed, f["losses"])  # bit-identical fp32 losses
-        assert {**a["seen"], **b["seen"]} == f["seen"], "the data a rank saw after the resume differs"
+        assert {**a["seen"], **b["seen"]} == f["seen"], (
+            "the data a rank saw after the resume differs"
+        )
         assert {**a["lrs"], **b["lrs"]} == f["lrs"]
         for name, value in f["weights"].items():
             assert torch.equal(value, b["weights"][name]), f"{name} differs after resume"
@@ -133,10 +176,16 @@ def test_exact_resume_bf16(ranks, tmp_path, stage):
     for rank in range(2):
         f, a, b = full[rank], first[rank], second[rank]
         assert (b["resume"].global_step, b["resume"].epoch_consumed) == (STEPS // 2, 32)
-        assert {**a["losses"], **b["losses"]} == f["losses"], (a["losses"], b["losses"], f["losses"])
+        assert {**a["losses"], **b["losses"]} == f["losses"], (
+            a["losses"],
+            b["losses"],
+            f["losses"],
+        )
         assert {**a["seen"], **b["seen"]} == f["seen"] and {**a["lrs"], **b["lrs"]} == f["lrs"]
         assert f["dtype"] == b["dtype"] == torch.bfloat16, "the model does not train in bf16"
-        assert all(w.dtype == torch.float32 for w in f["master"]) and f["master"], "no fp32 master weights?"
+        assert all(w.dtype == torch.float32 for w in f["master"]) and f["master"], (
+            "no fp32 master weights?"
+        )
         for i, (want, got) in enumerate(zip(f["master"], b["master"], strict=True)):
             assert torch.equal(want, got), f"fp32 master partition {i} differs after resume"
         for name, value in f["weights"].items():
@@ -151,12 +200,13 @@ def test_nothing_to_resume_and_refused_calls(ranks, tmp_path):
 
 
 def test_loader_iteration_leaves_global_rng_alone():
-    """A mid-epoch resume starts a new loader iterator where the uninterrupted run did not: if iter()
-    drew from the global torch RNG, every later dropout mask would shift by one draw."""
+    """A mid-epoch resume starts a new loader iterator where the uninterrupted run did not: if
+    iter() drew from the global torch RNG, every later dropout mask would shift by one draw."""
     from strategy import DeepSpeedStrategy, StrategyConfig
 
-    loader = DeepSpeedStrategy(StrategyConfig(micro_train_batch_size=2, train_batch_size=2)).setup_dataloader(
-        IndexedTokens())
+    loader = DeepSpeedStrategy(
+        StrategyConfig(micro_train_batch_size=2, train_batch_size=2)
+    ).setup_dataloader(IndexedTokens())
     before = torch.get_rng_state()
     next(iter(loader))
     assert torch.equal(before, torch.get_rng_state())
@@ -168,13 +218,16 @@ def _load_empty(ckpt_dir: str):
     opt = s.create_optimizer(model)
     engine = s.prepare((model, opt, None))
     out = (*s.load_ckpt(engine, ckpt_dir), s.resume_state)
-    from strategy.config import ConfigError
+    from strategy.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="tag='nope'"):  # on every rank, not only on rank 0 (no hang)
+    with pytest.raises(
+        ConfigError, match="tag='nope'"
+    ):  # on every rank, not only on rank 0 (no hang)
         s.load_ckpt(engine, ckpt_dir, tag="nope")
     x = torch.randint(0, VOCAB, (2, 8))
     engine.backward(engine(input_ids=x, labels=x).loss)
-    engine.step()  # the first of 2 accumulation micro-steps: its gradients would not be in a checkpoint
+    # the first of 2 accumulation micro-steps: its gradients would not be in a checkpoint
+    engine.step()
     with pytest.raises(ConfigError, match="save_ckpt=.*accumulation boundary"):
         s.save_ckpt(engine, ckpt_dir)
     with pytest.raises(ConfigError, match="tag='../up'"):
@@ -184,14 +237,29 @@ def _load_empty(ckpt_dir: str):
     return out
 
 
-# ------------------------------------------------------------ tags, retention and crash safety (no engine)
+# ------------------------------------------------------------ tags, retention and crash safety (no
+# engine)
 
 
-@pytest.mark.parametrize("tag", ["../escape", "/abs", "a/b", "a\\b", ".hidden", "..", "", "latest", "step1_hf",
-                                 "x" * 201, "a b"])
+@pytest.mark.parametrize(
+    "tag",
+    [
+        "../escape",
+        "/abs",
+        "a/b",
+        "a\\b",
+        ".hidden",
+        "..",
+        "",
+        "latest",
+        "step1_hf",
+        "x" * 201,
+        "a b",
+    ],
+)
 def test_tag_cannot_escape_or_collide(tag):
     from strategy.checkpoint import validate_tag
-    from strategy.config import ConfigError
+    from strategy.errors import ConfigError
 
     with pytest.raises(ConfigError, match="tag="):
         validate_tag(tag)
@@ -205,13 +273,13 @@ def test_good_tags_pass():
 
 
 def _entry(name, order, size=1, is_ckpt=True, metric=None):
-    from strategy.retention import Entry
+    from strategy.checkpoint.layout import Entry
 
     return Entry(name, order, size, [name], is_ckpt, metric)
 
 
 def test_retention_keeps_newest_max_num():
-    from strategy.retention import select_for_deletion
+    from strategy.checkpoint.retention import select_for_deletion
 
     entries = [_entry(f"s{i}", i) for i in range(5)]
     assert [e.name for e in select_for_deletion(entries, 3, 1e9)] == ["s0", "s1"]
@@ -219,11 +287,16 @@ def test_retention_keeps_newest_max_num():
 
 
 def test_retention_max_mem_counts_exports_and_protects_newest():
-    from strategy.retention import select_for_deletion
+    from strategy.checkpoint.retention import select_for_deletion
 
-    entries = [_entry("s0", 0, 10), _entry("export_hf", 1, 30, is_ckpt=False), _entry("s2", 2, 10),
-               _entry("s3", 3, 100)]
-    # 150 bytes > 60: drop oldest first (the orphan export counts), never the newest even if it alone exceeds
+    entries = [
+        _entry("s0", 0, 10),
+        _entry("export_hf", 1, 30, is_ckpt=False),
+        _entry("s2", 2, 10),
+        _entry("s3", 3, 100),
+    ]
+    # 150 bytes > 60: drop oldest first (the orphan export counts), never the newest even if it
+    # alone exceeds
     assert [e.name for e in select_for_deletion(entries, 10, 60)] == ["s0", "export_hf", "s2"]
     assert [e.name for e in select_for_deletion(entries, 10, 120)] == ["s0", "export_hf"]
     # max_num counts checkpoints only: a surplus of checkpoints does not delete orphan exports
@@ -231,12 +304,21 @@ def test_retention_max_mem_counts_exports_and_protects_newest():
 
 
 def test_retention_keeps_best_k():
-    from strategy.retention import select_for_deletion
+    from strategy.checkpoint.retention import select_for_deletion
 
-    entries = [_entry("s0", 0, metric=0.5), _entry("s1", 1, metric=0.1), _entry("s2", 2, metric=0.9),
-               _entry("s3", 3, metric=0.7)]
-    assert [e.name for e in select_for_deletion(entries, 2, 1e9, keep_best=1)] == ["s0", "s2"]  # keeps s1 (min)
-    assert [e.name for e in select_for_deletion(entries, 2, 1e9, keep_best=1, higher_is_better=True)] == ["s0", "s1"]
+    entries = [
+        _entry("s0", 0, metric=0.5),
+        _entry("s1", 1, metric=0.1),
+        _entry("s2", 2, metric=0.9),
+        _entry("s3", 3, metric=0.7),
+    ]
+    assert [e.name for e in select_for_deletion(entries, 2, 1e9, keep_best=1)] == [
+        "s0",
+        "s2",
+    ]  # keeps s1 (min)
+    assert [
+        e.name for e in select_for_deletion(entries, 2, 1e9, keep_best=1, higher_is_better=True)
+    ] == ["s0", "s1"]
     # the 2 best (s1, s0) and the newest (s3) are protected even though that leaves 3 > max_num=1
     assert [e.name for e in select_for_deletion(entries, 1, 1e9, keep_best=2)] == ["s2"]
 
@@ -260,17 +342,22 @@ def test_resolve_tag_ignores_partial_and_broken_pointer(tmp_path):
     (tmp_path / "s3").mkdir()  # a save killed before it was marked complete
     (tmp_path / ".incomplete" / "s4").mkdir(parents=True)
     (tmp_path / "latest").write_text("s3")
-    assert resolve_tag(str(tmp_path), None) == "s2"  # latest points at a partial one: newest complete wins
+    assert (
+        resolve_tag(str(tmp_path), None) == "s2"
+    )  # latest points at a partial one: newest complete wins
     (tmp_path / "latest").write_text("s1")
-    assert resolve_tag(str(tmp_path), None) == "s1"  # an explicit choice of an older complete one is kept
-    from strategy.config import ConfigError
+    assert (
+        resolve_tag(str(tmp_path), None) == "s1"
+    )  # an explicit choice of an older complete one is kept
+    from strategy.errors import ConfigError
 
     with pytest.raises(ConfigError, match="tag='s3'.*no complete checkpoint"):
         resolve_tag(str(tmp_path), "s3")
 
 
 def test_publish_replaces_a_resaved_tag_whole(tmp_path):
-    from strategy.checkpoint import _publish, resolve_tag
+    from strategy.checkpoint import resolve_tag
+    from strategy.checkpoint.save import publish as _publish
 
     _fake_ckpt(tmp_path, "s1", 1, size=10)
     staged = tmp_path / ".incomplete" / "s1"
@@ -284,7 +371,8 @@ def test_publish_replaces_a_resaved_tag_whole(tmp_path):
 
 
 def test_scan_groups_hf_exports_with_their_checkpoint(tmp_path):
-    from strategy.retention import apply_retention, scan
+    from strategy.checkpoint.layout import scan
+    from strategy.checkpoint.retention import apply_retention
 
     _fake_ckpt(tmp_path, "s1", 1)
     _fake_ckpt(tmp_path, "s2", 2)
@@ -298,7 +386,8 @@ def test_scan_groups_hf_exports_with_their_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [".incomplete", "other", "s2"]
 
 
-# ------------------------------------------------------------ kill test: real processes, SIGKILL mid-save
+# ------------------------------------------------------------ kill test: real processes, SIGKILL
+# mid-save
 
 KILLS = 10
 WORKER = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_worker.py")
@@ -307,11 +396,20 @@ WORKER = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_worker.py")
 def _start_worker(ckpt_dir: str, max_saves: int | None = None) -> subprocess.Popen:
     from strategy.dist import free_port
 
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop("LOCAL_SIZE", None)
     args = [sys.executable, WORKER, ckpt_dir] + ([str(max_saves)] if max_saves else [])
-    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def _read_until(proc: subprocess.Popen, prefix: str, log: list[str], timeout: float = 240) -> str:
@@ -319,7 +417,9 @@ def _read_until(proc: subprocess.Popen, prefix: str, log: list[str], timeout: fl
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
-            raise AssertionError(f"worker exited ({proc.wait()}) before {prefix!r}:\n" + "".join(log[-40:]))
+            raise AssertionError(
+                f"worker exited ({proc.wait()}) before {prefix!r}:\n" + "".join(log[-40:])
+            )
         log.append(line)
         if line.startswith(prefix):
             return line.split()[1:]
@@ -327,8 +427,11 @@ def _read_until(proc: subprocess.Popen, prefix: str, log: list[str], timeout: fl
 
 
 def _resumable_steps(lines: list[str]) -> set[int]:
-    """The last completed save, plus the save in flight when killed (it may have been published already)."""
-    steps = [(ln.split()[0], int(ln.split()[1])) for ln in lines if ln.startswith(("SAVING", "SAVED"))]
+    """The last completed save, plus the save in flight when killed (it may have been published
+    already)."""
+    steps = [
+        (ln.split()[0], int(ln.split()[1])) for ln in lines if ln.startswith(("SAVING", "SAVED"))
+    ]
     done = [k for what, k in steps if what == "SAVED"]
     out = {done[-1]}
     if steps[-1][0] == "SAVING":
@@ -338,8 +441,8 @@ def _resumable_steps(lines: list[str]) -> set[int]:
 
 @pytest.mark.slow
 def test_killed_save_leaves_last_complete_checkpoint(tmp_path):
-    """SIGKILL the saving process at moments spread over a save, KILLS times; each restart must load the
-    last complete checkpoint (the worker checks its weights digest and step) and train on."""
+    """SIGKILL the saving process at moments spread over a save, KILLS times; each restart must load
+    the last complete checkpoint (the worker checks its weights digest and step) and train on."""
     ckpt = str(tmp_path / "ckpt")
     staging = os.path.join(ckpt, ".incomplete")
     rng = random.Random(0)
@@ -348,11 +451,15 @@ def test_killed_save_leaves_last_complete_checkpoint(tmp_path):
         proc = _start_worker(ckpt)
         try:
             resumed = int(_read_until(proc, "RESUMED", log)[0])
-            assert resumed in allowed, f"kill {i}: resumed step {resumed}, expected one of {allowed}"
+            assert resumed in allowed, (
+                f"kill {i}: resumed step {resumed}, expected one of {allowed}"
+            )
             _, took = _read_until(proc, "SAVED", log)  # the run trains and saves after the resume
             save_s = float(took)
             _read_until(proc, "SAVING", log)
-            time.sleep(save_s * (0.05 + 0.95 * i / (KILLS - 1)) * rng.uniform(0.9, 1.1))  # ~5% .. ~100% into a save
+            time.sleep(
+                save_s * (0.05 + 0.95 * i / (KILLS - 1)) * rng.uniform(0.9, 1.1)
+            )  # ~5% .. ~100% into a save
         finally:
             proc.kill()
             rest = proc.stdout.read().splitlines()
@@ -371,11 +478,13 @@ def test_killed_save_leaves_last_complete_checkpoint(tmp_path):
     assert mid_save >= KILLS // 3, f"only {mid_save} of {KILLS} kills landed inside a save"
 
 
-# ------------------------------------------------------------ another world size (universal checkpoint)
+# ------------------------------------------------------------ another world size (universal
+# checkpoint)
 
 
 def _global_losses(out: list[dict]) -> dict[int, float]:
-    """Per-step loss over all ranks (every rank runs equal micro-batches, so the mean of rank means)."""
+    """Per-step loss over all ranks (every rank runs equal micro-batches, so the mean of rank
+    means)."""
     return {k: sum(o["losses"][k] for o in out) / len(out) for k in out[0]["losses"]}
 
 
@@ -387,35 +496,53 @@ WORLD_CASES = [(stage, a, b) for stage in (2, 3) for a, b in ((2, 1), (1, 2))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,saved_on,resumed_on", WORLD_CASES,
-                         ids=[f"zero{s}-{a}to{b}" for s, a, b in WORLD_CASES])
+@pytest.mark.parametrize(
+    "stage,saved_on,resumed_on", WORLD_CASES, ids=[f"zero{s}-{a}to{b}" for s, a, b in WORLD_CASES]
+)
 def test_resume_on_another_world_size(ranks, tmp_path, stage, saved_on, resumed_on):
     ckpt = str(tmp_path / "ckpt")
     full = ranks.run(train, stage, ckpt + "-unused", family="llama", world_size=saved_on)
     first = ranks.run(train, stage, ckpt, family="llama", stop_at=STEPS // 2, world_size=saved_on)
-    second = ranks.run(train, stage, ckpt, family="llama", resume=True, init_seed=123, world_size=resumed_on)
-    assert os.path.isdir(os.path.join(ckpt, f"global_step{STEPS // 2}", "universal")), "no universal conversion"
+    second = ranks.run(
+        train, stage, ckpt, family="llama", resume=True, init_seed=123, world_size=resumed_on
+    )
+    assert os.path.isdir(os.path.join(ckpt, f"global_step{STEPS // 2}", "universal")), (
+        "no universal conversion"
+    )
     for b in second:
         assert b["state"] == {"note": f"stopped at {STEPS // 2}", "step": STEPS // 2}
-        assert (b["resume"].global_step, b["resume"].epoch, b["resume"].epoch_consumed) == (STEPS // 2, 0, 32)
+        assert (b["resume"].global_step, b["resume"].epoch, b["resume"].epoch_consumed) == (
+            STEPS // 2,
+            0,
+            32,
+        )
     # the same global batches, step for step, whatever the number of ranks
     assert {**_global_seen(first), **_global_seen(second)} == _global_seen(full)
     ref, got = _global_losses(full), {**_global_losses(first), **_global_losses(second)}
     gaps = {k: abs(got[k] - ref[k]) / abs(ref[k]) for k in ref}
-    print(f"zero{stage} {saved_on}->{resumed_on} ranks: max relative loss gap {max(gaps.values()):.2e}")
+    print(
+        f"zero{stage} {saved_on}->{resumed_on} ranks: "
+        f"max relative loss gap {max(gaps.values()):.2e}"
+    )
     assert max(gaps.values()) <= WORLD_CHANGE_RTOL, gaps
     assert got[STEPS] < got[1], "loss did not fall"
     assert {**first[0]["lrs"], **second[0]["lrs"]} == pytest.approx(full[0]["lrs"], rel=1e-6)
     for name, value in full[0]["weights"].items():
-        torch.testing.assert_close(second[0]["weights"][name], value, rtol=1e-4, atol=1e-5,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            second[0]["weights"][name],
+            value,
+            rtol=1e-4,
+            atol=1e-5,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
 
 
 # ------------------------------------------------------------ retention on real checkpoints
 
 
 def _retention_body(ckpt_dir: str) -> list:
-    from strategy.retention import GIB, dir_size
+    from strategy.checkpoint.layout import dir_size
+    from strategy.checkpoint.retention import GIB
 
     s = make_strategy(2, micro=2, total=4)
     model = s.from_pretrained(tiny_llama())
@@ -432,15 +559,23 @@ def _retention_body(ckpt_dir: str) -> list:
         if s.is_rank_0:  # what a trainer's HF export beside the checkpoint looks like
             engine.module.save_pretrained(os.path.join(ckpt_dir, f"{tag}_hf"))
         s.barrier()
-        listings.append(sorted(n for n in os.listdir(ckpt_dir) if not n.startswith(".") and not n.endswith(".py")))
+        listings.append(
+            sorted(
+                n for n in os.listdir(ckpt_dir) if not n.startswith(".") and not n.endswith(".py")
+            )
+        )
 
     if s.is_rank_0:  # an HF export of its own (no checkpoint), older than every checkpoint
         engine.module.save_pretrained(os.path.join(ckpt_dir, "export_hf"))
     s.barrier()
     for k in range(4):  # step 2 has the best (lowest) metric
         step_save_export(max_num=2, metric=abs(k - 1) + 0.5, keep_best=1)
-    one = dir_size(os.path.join(ckpt_dir, "global_step4")) + dir_size(os.path.join(ckpt_dir, "global_step4_hf"))
-    step_save_export(max_num=10, max_mem=1.5 * one / GIB)  # room for about one checkpoint with its export
+    one = dir_size(os.path.join(ckpt_dir, "global_step4")) + dir_size(
+        os.path.join(ckpt_dir, "global_step4_hf")
+    )
+    step_save_export(
+        max_num=10, max_mem=1.5 * one / GIB
+    )  # room for about one checkpoint with its export
     s.close()
     return listings
 
@@ -449,9 +584,16 @@ def _retention_body(ckpt_dir: str) -> list:
 def test_retention_max_num_best_k_and_max_mem(ranks, tmp_path):
     listings = ranks.run(_retention_body, str(tmp_path / "ckpt"))[0]
     base = ["export_hf", "latest"]
-    assert listings[1] == sorted(base + ["global_step1", "global_step1_hf", "global_step2", "global_step2_hf"])
-    # max_num=2 with keep_best=1: the best (step 2) and the newest stay; step 1 goes with its HF export
-    assert listings[2] == sorted(base + ["global_step2", "global_step2_hf", "global_step3", "global_step3_hf"])
-    assert listings[3] == sorted(base + ["global_step2", "global_step2_hf", "global_step4", "global_step4_hf"])
+    assert listings[1] == sorted(
+        base + ["global_step1", "global_step1_hf", "global_step2", "global_step2_hf"]
+    )
+    # max_num=2 with keep_best=1: the best (step 2) and the newest stay; step 1 goes with its HF
+    # export
+    assert listings[2] == sorted(
+        base + ["global_step2", "global_step2_hf", "global_step3", "global_step3_hf"]
+    )
+    assert listings[3] == sorted(
+        base + ["global_step2", "global_step2_hf", "global_step4", "global_step4_hf"]
+    )
     # a tiny max_mem leaves only the newest checkpoint (its export is written after the save)
     assert listings[4] == ["global_step5", "global_step5_hf", "latest"]

@@ -11,8 +11,8 @@ import torch
 from strategy import ConfigError, OptimConfig, StrategyConfig, build_ds_config, build_eval_ds_config
 from strategy.config import build_configs, parse_configs
 from strategy.optim import get_param_groups, split_decay_params
-from strategy.scheduler import create_scheduler
-from tests.models import FAMILIES
+from strategy.optim.scheduler import create_scheduler
+from tests.support.models import FAMILIES
 
 CLASSES = [StrategyConfig, OptimConfig]
 
@@ -25,10 +25,24 @@ def test_defaults_validate_and_match_common_use():
 
 def test_cli_overrides_yaml_overrides_defaults(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("zero_stage: 3\nbf16: true\nlearning_rate: 1e-4\ntrain_batch_size: 64\n"
-                    "ds_config_overrides: {steps_per_print: 7}\n")
-    (s, o), _ = parse_configs(CLASSES, ["--config", str(path), "--zero_stage", "1", "--adam_betas", "0.8", "0.9",
-                                        "--no-bf16", "--local_rank=0"])
+    path.write_text(
+        "zero_stage: 3\nbf16: true\nlearning_rate: 1e-4\ntrain_batch_size: 64\n"
+        "ds_config_overrides: {steps_per_print: 7}\n"
+    )
+    (s, o), _ = parse_configs(
+        CLASSES,
+        [
+            "--config",
+            str(path),
+            "--zero_stage",
+            "1",
+            "--adam_betas",
+            "0.8",
+            "0.9",
+            "--no-bf16",
+            "--local_rank=0",
+        ],
+    )
     assert s.zero_stage == 1 and s.bf16 is False and s.train_batch_size == 64
     assert o.learning_rate == 1e-4 and o.adam_betas == (0.8, 0.9)  # "1e-4" is a str to PyYAML
     assert build_ds_config(s, 2)["steps_per_print"] == 7
@@ -52,7 +66,9 @@ def test_every_shipped_config_loads():
 
     for path in files:
         first = open(path).readline()
-        assert first.startswith("# ") and ("deepspeed" in first or "bash" in first), f"{path}: no launch command"
+        assert first.startswith("# ") and ("deepspeed" in first or "bash" in first), (
+            f"{path}: no launch command"
+        )
         configs, _ = parse_configs(CONFIG_CLASSES, ["--config", path])
         configs[0].validate_world(2)  # every shipped config runs at 2 ranks
 
@@ -100,7 +116,6 @@ def test_bad_config_gives_one_clear_line(values, message):
 
 def test_batch_must_divide_by_world_size():
     cfg = StrategyConfig(micro_train_batch_size=4, train_batch_size=12)
-    cfg.validate()
     with pytest.raises(ConfigError, match=r"train_batch_size=12 .* 4 x 2 = 8"):
         build_ds_config(cfg, world_size=2)
 
@@ -124,16 +139,38 @@ def test_bad_yaml_files(tmp_path):
 
 
 def test_ds_config_stage3_offload_bf16():
-    cfg = StrategyConfig(zero_stage=3, bf16=True, adam_offload=True, param_offload=True, micro_train_batch_size=2,
-                         train_batch_size=16, max_norm=0.5, zpg=2, grad_accum_dtype="fp32", overlap_comm=True,
-                         ds_config_overrides={"zero_optimization": {"reduce_bucket_size": 123}})
+    cfg = StrategyConfig(
+        zero_stage=3,
+        bf16=True,
+        adam_offload=True,
+        param_offload=True,
+        micro_train_batch_size=2,
+        train_batch_size=16,
+        max_norm=0.5,
+        zpg=2,
+        grad_accum_dtype="fp32",
+        overlap_comm=True,
+        ds_config_overrides={"zero_optimization": {"reduce_bucket_size": 123}},
+    )
     ds = build_ds_config(cfg, world_size=4)
     z = ds["zero_optimization"]
-    batch = (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"])
+    batch = (
+        ds["train_micro_batch_size_per_gpu"],
+        ds["gradient_accumulation_steps"],
+        ds["train_batch_size"],
+    )
     assert batch == (2, 2, 16)
-    assert z["stage"] == 3 and z["offload_optimizer"]["device"] == "cpu" and z["offload_param"]["device"] == "cpu"
-    assert z["stage3_gather_16bit_weights_on_model_save"] is True and z["zero_hpz_partition_size"] == 2
-    assert z["overlap_comm"] is True and z["reduce_bucket_size"] == 123  # override merged, siblings kept
+    assert (
+        z["stage"] == 3
+        and z["offload_optimizer"]["device"] == "cpu"
+        and z["offload_param"]["device"] == "cpu"
+    )
+    assert (
+        z["stage3_gather_16bit_weights_on_model_save"] is True and z["zero_hpz_partition_size"] == 2
+    )
+    assert (
+        z["overlap_comm"] is True and z["reduce_bucket_size"] == 123
+    )  # override merged, siblings kept
     assert ds["bf16"]["enabled"] and "fp16" not in ds and ds["gradient_clipping"] == 0.5
     assert ds["data_types"]["grad_accum_dtype"] == "fp32"
     ev = build_eval_ds_config(cfg, world_size=4)
@@ -144,7 +181,10 @@ def test_ds_config_stage2_fp16_no_offload():
     cfg = StrategyConfig(zero_stage=2, fp16=True, micro_train_batch_size=4, train_batch_size=8)
     ds = build_ds_config(cfg, world_size=2)
     z = ds["zero_optimization"]
-    assert z["offload_optimizer"]["device"] == "none" and "stage3_gather_16bit_weights_on_model_save" not in z
+    assert (
+        z["offload_optimizer"]["device"] == "none"
+        and "stage3_gather_16bit_weights_on_model_save" not in z
+    )
     assert ds["fp16"]["enabled"] and ds["fp16"]["loss_scale"] == 0 and not ds["bf16"]["enabled"]
     assert ds["gradient_accumulation_steps"] == 1 and "data_types" not in ds
     assert build_eval_ds_config(cfg, 2)["zero_optimization"]["stage"] == 0
@@ -173,7 +213,9 @@ def test_param_groups_by_family(family):
     model = AutoModelForCausalLM.from_config(FAMILIES[family]())
     decay, no_decay = split_decay_params(model)
     names = dict(model.named_parameters())
-    assert {n for n, _ in decay} | {n for n, _ in no_decay} == set(names)  # all trainable, once each
+    assert {n for n, _ in decay} | {n for n, _ in no_decay} == set(
+        names
+    )  # all trainable, once each
     assert {n for n, _ in no_decay} == {n for n in names if EXPECTED_NO_DECAY[family](n)}
     assert no_decay and decay
     if family != "gpt2":  # untied: the head must be optimized (HF's `.model` would drop it)
@@ -186,10 +228,12 @@ def test_lora_groups_drop_empty_and_frozen():
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from tests.models import tiny_llama
+    from tests.support.models import tiny_llama
 
-    model = get_peft_model(AutoModelForCausalLM.from_config(tiny_llama()),
-                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(tiny_llama()),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
     groups = get_param_groups(model, 0.1)
     assert len(groups) == 1 and all("lora_" in n for n in groups[0]["names"])
     assert len(groups[0]["params"]) == sum(p.requires_grad for p in model.parameters())
@@ -206,7 +250,9 @@ def test_no_trainable_params_is_a_clear_error():
 
 def test_cosine_with_min_lr_values():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = create_scheduler(opt, "cosine_with_min_lr", num_training_steps=10, warmup_ratio=0.2, min_lr_ratio=0.1)
+    sched = create_scheduler(
+        opt, "cosine_with_min_lr", num_training_steps=10, warmup_ratio=0.2, min_lr_ratio=0.1
+    )
     lrs = []
     for _ in range(10):
         lrs.append(opt.param_groups[0]["lr"])

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 import torch
 
-from tests.helpers import make_strategy
-from tests.models import tiny_llama
+from tests.support.helpers import make_strategy
+from tests.support.models import tiny_llama
 
 
 @pytest.fixture()
@@ -18,7 +18,9 @@ def sharded(tmp_path):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_llama()).save_pretrained(tmp_path / "m", max_shard_size="20KB")
+    AutoModelForCausalLM.from_config(tiny_llama()).save_pretrained(
+        tmp_path / "m", max_shard_size="20KB"
+    )
     shards = sorted(p for p in os.listdir(tmp_path / "m") if p.endswith(".safetensors"))
     assert len(shards) >= 3
     return tmp_path / "m", shards
@@ -35,7 +37,9 @@ def test_truncated_shard_names_the_file(sharded):
     victim = path / shards[1]
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) - 1000])
-    with pytest.raises(ValueError, match=rf"{victim}: \d+ bytes but its header needs \d+ \(truncated"):
+    with pytest.raises(
+        ValueError, match=rf"{victim}: \d+ bytes but its header needs \d+ \(truncated"
+    ):
         _load(path)
     victim.write_bytes(data[:4])
     with pytest.raises(ValueError, match=rf"{victim}: truncated"):
@@ -48,7 +52,10 @@ def test_truncated_shard_names_the_file(sharded):
 def test_missing_shard_names_the_index(sharded):
     path, shards = sharded
     os.remove(path / shards[0])
-    with pytest.raises(ValueError, match=rf"model.safetensors.index.json names missing shard\(s\) \['{shards[0]}'\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"model.safetensors.index.json names missing shard\(s\) \['{shards[0]}'\]",
+    ):
         _load(path)
 
 
@@ -70,7 +77,9 @@ def save_model_on_full_disk(out: str, stage: int) -> str:
     model = s.from_pretrained(tiny_llama(hidden_size=64, intermediate_size=128))
     engine = s.prepare((model, s.create_optimizer(model), None))
     s.save_model(engine, None, out)  # fits: ~0.4 MB of fp32 weights
-    before = {f: os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)} if s.is_rank_0 else {}
+    before = (
+        {f: os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)} if s.is_rank_0 else {}
+    )
     big = s.from_pretrained(tiny_llama(hidden_size=64, intermediate_size=256))
     big_engine = s.prepare((big, s.create_optimizer(big), None))
     with pytest.raises(RuntimeError) as err:
@@ -81,7 +90,9 @@ def save_model_on_full_disk(out: str, stage: int) -> str:
         assert after == before, "the previous export changed"
         reloaded = AutoModelForCausalLM.from_pretrained(out)
         assert reloaded.config.intermediate_size == 128
-        assert [p for p in os.listdir(os.path.dirname(out)) if p != os.path.basename(out)] == []  # no leftovers
+        assert [
+            p for p in os.listdir(os.path.dirname(out)) if p != os.path.basename(out)
+        ] == []  # no leftovers
     return str(err.value)
 
 
@@ -127,7 +138,9 @@ def test_save_ckpt_on_full_disk_keeps_previous(ranks, tmp_path, stage):
     size = ranks.run(checkpoint_size, str(tmp_path / "probe"), stage)[0]
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.5)}", "tmpfs", str(mnt)]).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.5)}", "tmpfs", str(mnt)]
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         messages = ranks.run(save_ckpt_on_full_disk, str(mnt / "ckpt"), stage, timeout=120)
@@ -160,7 +173,9 @@ def test_damaged_checkpoint_file_is_named_on_every_rank(ranks, tmp_path):
     with open(victim, "wb") as fh:
         fh.write(data[: len(data) // 2])
     messages = ranks.run(corrupt_checkpoint, str(tmp_path / "ckpt"), victim)
-    assert all(m.startswith(f"{victim}: damaged or truncated checkpoint file") for m in messages), messages
+    assert all(m.startswith(f"{victim}: damaged or truncated checkpoint file") for m in messages), (
+        messages
+    )
 
 
 def test_offline_export_of_a_save_ckpt_checkpoint(ranks, tmp_path):
@@ -168,7 +183,11 @@ def test_offline_export_of_a_save_ckpt_checkpoint(ranks, tmp_path):
     from transformers import AutoModelForCausalLM
 
     ranks.run(save_for_corruption, str(tmp_path / "ckpt"))
-    proc = subprocess.run([os.sys.executable, "-m", "strategy.export", str(tmp_path / "ckpt"), str(tmp_path / "hf")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [os.sys.executable, "-m", "strategy.export", str(tmp_path / "ckpt"), str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.hidden_size == 32

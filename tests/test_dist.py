@@ -7,8 +7,8 @@ import io
 
 import torch
 
-from tests.helpers import gathered_state, make_strategy
-from tests.models import tiny_llama
+from tests.support.helpers import gathered_state, make_strategy
+from tests.support.models import tiny_llama
 
 
 def rank_helpers() -> None:
@@ -16,12 +16,23 @@ def rank_helpers() -> None:
     r, w = s.rank, s.world_size
     assert w == 2 and s.is_rank_0 == (r == 0)
     assert s.all_reduce(float(r + 1)) == 1.5
-    assert s.all_reduce(r + 1, op="sum") == 3 and s.all_reduce(r, op="max") == 1 and s.all_reduce(r, op="min") == 0
+    assert (
+        s.all_reduce(r + 1, op="sum") == 3
+        and s.all_reduce(r, op="max") == 1
+        and s.all_reduce(r, op="min") == 0
+    )
     t = torch.tensor([1.0, 2.0]) * (r + 1)
-    assert torch.equal(s.all_reduce(t), torch.tensor([1.5, 3.0])) and torch.equal(t, torch.tensor([1.0, 2.0]) * (r + 1))
-    assert s.all_reduce({"loss": float(r), "acc": {"n": r + 1}}, op="sum") == {"loss": 1.0, "acc": {"n": 3.0}}
+    assert torch.equal(s.all_reduce(t), torch.tensor([1.5, 3.0])) and torch.equal(
+        t, torch.tensor([1.0, 2.0]) * (r + 1)
+    )
+    assert s.all_reduce({"loss": float(r), "acc": {"n": r + 1}}, op="sum") == {
+        "loss": 1.0,
+        "acc": {"n": 3.0},
+    }
     assert s.all_gather(r * 10) == [0, 10]
-    assert torch.equal(s.all_gather(torch.full((2, 3), float(r))), torch.cat([torch.zeros(2, 3), torch.ones(2, 3)]))
+    assert torch.equal(
+        s.all_gather(torch.full((2, 3), float(r))), torch.cat([torch.zeros(2, 3), torch.ones(2, 3)])
+    )
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         s.print("hello", r)
@@ -68,16 +79,22 @@ def loader_and_eval_engine(stage: int) -> None:
 
     s = make_strategy(stage=stage)
     data = list(range(20))
-    seen = [x.item() for batch in s.setup_dataloader(data, batch_size=2, shuffle=True) for x in batch]
+    seen = [
+        x.item() for batch in s.setup_dataloader(data, batch_size=2, shuffle=True) for x in batch
+    ]
     everyone = s.all_gather(torch.tensor(seen))
-    assert len(seen) == 10 and sorted(everyone.tolist()) == data, "ranks must split the data disjointly"
+    assert len(seen) == 10 and sorted(everyone.tolist()) == data, (
+        "ranks must split the data disjointly"
+    )
 
     model = s.from_pretrained(tiny_llama())
     optimizer = s.create_optimizer(model)
     ref = s.from_pretrained(tiny_llama())
     train, evaluator = s.prepare((model, optimizer, None), ref)
     assert isinstance(train, deepspeed.DeepSpeedEngine) and train.optimizer is not None
-    assert evaluator.zero_optimization_stage() == (3 if stage == 3 else 0), evaluator.zero_optimization_stage()
+    assert evaluator.zero_optimization_stage() == (3 if stage == 3 else 0), (
+        evaluator.zero_optimization_stage()
+    )
     assert not evaluator.module.training
     x = torch.randint(0, 96, (2, 8))
     with torch.no_grad():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import gathered_state, make_strategy
-from tests.models import tiny_llama, token_batches
+from tests.support.helpers import gathered_state, make_strategy
+from tests.support.models import tiny_llama, token_batches
 
 STEPS = 4
 # fp32: the engine and the reference do the same math in a different order (gradient allreduce,
@@ -20,25 +20,37 @@ BF16_RTOL = 2e-2
 
 def _micro(batches, step, accum_idx, rank, world, micro):
     start = (accum_idx * world + rank) * micro
-    return batches[step][start:start + micro]
+    return batches[step][start : start + micro]
 
 
 def _reference(init, batches, accum, world, micro, grouped=True):
     from transformers import AutoModelForCausalLM
 
     from strategy.optim import get_param_groups
-    from strategy.scheduler import create_scheduler
+    from strategy.optim.scheduler import create_scheduler
 
     ref = AutoModelForCausalLM.from_config(tiny_llama())
     ref.load_state_dict(init, strict=False)
-    groups = get_param_groups(ref, 0.1) if grouped else [{"params": list(ref.parameters()), "weight_decay": 0.1}]
-    opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "names"} for g in groups],
-                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    groups = (
+        get_param_groups(ref, 0.1)
+        if grouped
+        else [{"params": list(ref.parameters()), "weight_decay": 0.1}]
+    )
+    opt = torch.optim.AdamW(
+        [{k: v for k, v in g.items() if k != "names"} for g in groups],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     sched = create_scheduler(opt, "cosine_with_min_lr", num_training_steps=STEPS, warmup_ratio=0.25)
     losses, lrs, norms = [], [], []
     for k in range(STEPS):
-        parts = [ref(input_ids=x, labels=x).loss for a in range(accum) for r in range(world)
-                 for x in [_micro(batches, k, a, r, world, micro)]]
+        parts = [
+            ref(input_ids=x, labels=x).loss
+            for a in range(accum)
+            for r in range(world)
+            for x in [_micro(batches, k, a, r, world, micro)]
+        ]
         loss = torch.stack(parts).mean()
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
@@ -96,7 +108,9 @@ def _check_weights_and_no_decay(final, ref_final, init, batches, accum, world, m
     from strategy.optim import split_decay_params
 
     for name, value in final.items():
-        torch.testing.assert_close(value, ref_final[name], rtol=1e-3, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            value, ref_final[name], rtol=1e-3, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
+        )
     _, _, all_decay, _ = _reference(init, batches, accum, world, micro, grouped=False)
     _, no_decay = split_decay_params(AutoModelForCausalLM.from_config(tiny_llama()))
     assert no_decay, "tiny llama must have norm weights"
@@ -106,13 +120,22 @@ def _check_weights_and_no_decay(final, ref_final, init, batches, accum, world, m
         assert gap > 1e-3, f"{name} looks decayed (gap to all-decay reference {gap:.2e})"
 
 
-CASES = [(stage, bf16, offload) for stage in (0, 1, 2, 3) for bf16 in (False, True)
-         for offload in (False, True) if not (stage == 0 and offload)]
+CASES = [
+    (stage, bf16, offload)
+    for stage in (0, 1, 2, 3)
+    for bf16 in (False, True)
+    for offload in (False, True)
+    if not (stage == 0 and offload)
+]
 
 
-@pytest.mark.parametrize("stage,bf16,offload", CASES,
-                         ids=[f"zero{s}-{'bf16' if b else 'fp32'}-{'cpuadam' if o else 'fusedadam'}"
-                              for s, b, o in CASES])
+@pytest.mark.parametrize(
+    "stage,bf16,offload",
+    CASES,
+    ids=[
+        f"zero{s}-{'bf16' if b else 'fp32'}-{'cpuadam' if o else 'fusedadam'}" for s, b, o in CASES
+    ],
+)
 def test_training_matches_reference(ranks, stage, bf16, offload):
     out = ranks.run(train_vs_reference, stage, bf16, offload)
     assert out[0]["losses"] == out[1]["losses"]

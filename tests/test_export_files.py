@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from strategy.shards import ShardWriter, TensorSpec, atomic_directory, parse_size, plan_shards
+from strategy.atomic_fs import atomic_directory
+from strategy.export.shards import ShardWriter, TensorSpec, parse_size, plan_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +28,10 @@ def test_parse_size():
 
 
 def test_plan_is_greedy_and_isolates_oversized_tensors():
-    specs = [TensorSpec(n, (s,), torch.float32) for n, s in [("a", 10), ("b", 10), ("big", 100), ("c", 5)]]
+    specs = [
+        TensorSpec(n, (s,), torch.float32)
+        for n, s in [("a", 10), ("b", 10), ("big", 100), ("c", 5)]
+    ]
     plan = plan_shards(specs, max_shard_bytes=80)
     assert [[s.name for s in shard] for shard in plan.shards] == [["a", "b"], ["big"], ["c"]]
     assert plan.filenames() == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
@@ -36,10 +40,16 @@ def test_plan_is_greedy_and_isolates_oversized_tensors():
 def test_writer_matches_safetensors_reader(tmp_path):
     from safetensors.torch import load_file
 
-    tensors = {"w": torch.randn(3, 5), "h": torch.randn(7, dtype=torch.bfloat16).to(torch.float16),
-               "b": torch.randn(4, 2).to(torch.bfloat16), "ids": torch.arange(6).reshape(2, 3),
-               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "mask": torch.tensor([True, False]),
-               "t": torch.randn(4, 6).t()}  # not contiguous
+    tensors = {
+        "w": torch.randn(3, 5),
+        "h": torch.randn(7, dtype=torch.bfloat16).to(torch.float16),
+        "b": torch.randn(4, 2).to(torch.bfloat16),
+        "ids": torch.arange(6).reshape(2, 3),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "mask": torch.tensor([True, False]),
+        "t": torch.randn(4, 6).t(),
+    }  # not contiguous
     specs = [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
     plan = plan_shards(specs, 40)
     writer = ShardWriter(tmp_path, plan)
@@ -58,7 +68,9 @@ def test_writer_matches_safetensors_reader(tmp_path):
 def test_writer_converts_dtype_and_rejects_out_of_order(tmp_path):
     from safetensors.torch import load_file
 
-    plan = plan_shards([TensorSpec("a", (2,), torch.bfloat16), TensorSpec("b", (2,), torch.float32)], 10**6)
+    plan = plan_shards(
+        [TensorSpec("a", (2,), torch.bfloat16), TensorSpec("b", (2,), torch.float32)], 10**6
+    )
     writer = ShardWriter(tmp_path, plan)
     with pytest.raises(RuntimeError, match="out of plan order"):
         writer.write("b", torch.ones(2))
@@ -66,7 +78,9 @@ def test_writer_converts_dtype_and_rejects_out_of_order(tmp_path):
     writer.write("b", torch.ones(2))
     writer.close()
     out = load_file(tmp_path / "model.safetensors")
-    assert out["a"].dtype == torch.bfloat16 and out["a"][1] == torch.tensor(1 / 3).to(torch.bfloat16)
+    assert out["a"].dtype == torch.bfloat16 and out["a"][1] == torch.tensor(1 / 3).to(
+        torch.bfloat16
+    )
     assert not (tmp_path / "model.safetensors.index.json").exists()
 
 
@@ -89,8 +103,8 @@ def test_atomic_directory_keeps_earlier_export_on_error(tmp_path):
 CHILD = """
 import os, signal, sys, torch
 from transformers import AutoModelForCausalLM
-import strategy.export as ex, strategy.shards as sh
-from tests.models import tiny_llama
+import strategy.atomic_fs as afs, strategy.export.save as ex, strategy.export.shards as sh
+from tests.support.models import tiny_llama
 
 point, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch.manual_seed(2)
@@ -105,9 +119,9 @@ if point == "write":
         orig(self, name, t)
     sh.ShardWriter.write = write
 elif point == "metadata":
-    ex._write_model_config = die
+    ex.write_export_metadata = die
 elif point == "publish":
-    sh._publish = die
+    afs.publish_dir = die
 ex.save_model(model, None, out, max_shard_size="20KB")
 print("save finished")
 """
@@ -115,9 +129,17 @@ print("save finished")
 
 def _kill_save(point: str, n: int, out: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", WORLD_SIZE="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD, point, str(n), str(out)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, f"child was not killed ({proc.returncode}): {proc.stderr[-2000:]}"
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, point, str(n), str(out)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, (
+        f"child was not killed ({proc.returncode}): {proc.stderr[-2000:]}"
+    )
 
 
 def _digest(d: Path) -> dict[str, str]:
@@ -128,7 +150,7 @@ def _save(seed: int, out: Path):
     from transformers import AutoModelForCausalLM
 
     from strategy.export import save_model
-    from tests.models import tiny_llama
+    from tests.support.models import tiny_llama
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_llama()).eval()
@@ -150,11 +172,17 @@ def test_killed_save_leaves_previous_export(tmp_path, monkeypatch):
     for point, n in [("write", 0), ("write", 1), ("write", 12), ("metadata", 0), ("publish", 0)]:
         _kill_save(point, n, out)
         assert _digest(out) == before, f"killed at {point}:{n}, the earlier export changed"
-        assert any(p.name.startswith(".export.tmp-") for p in tmp_path.iterdir()), "no partial sibling?"
+        assert any(p.name.startswith(".export.tmp-") for p in tmp_path.iterdir()), (
+            "no partial sibling?"
+        )
     x = torch.randint(0, 96, (2, 9))
     with torch.no_grad():
-        assert torch.equal(AutoModelForCausalLM.from_pretrained(out).eval()(x).logits, model(x).logits)
+        assert torch.equal(
+            AutoModelForCausalLM.from_pretrained(out).eval()(x).logits, model(x).logits
+        )
     newer = _save(3, out)  # the next save succeeds and removes the leftovers
     assert [p.name for p in tmp_path.iterdir()] == ["export"]
     with torch.no_grad():
-        assert torch.equal(AutoModelForCausalLM.from_pretrained(out).eval()(x).logits, newer(x).logits)
+        assert torch.equal(
+            AutoModelForCausalLM.from_pretrained(out).eval()(x).logits, newer(x).logits
+        )

@@ -10,29 +10,63 @@ import time
 import pytest
 
 from strategy.dist import free_port
-from tests.spawn import shm_buffers
+from tests.support.ranks import shm_buffers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 SCRIPT = "tests/scripts/fault_train.py"
 
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    from toy_task import make
+    from strategy.demos.toy_task import make
 
     root = tmp_path_factory.mktemp("faults")
     make(str(root / "data"), n_train=256, n_test=16)
     return root
 
 
-def _job(toy, out: str, *flags: str, timeout: float = 180) -> tuple[subprocess.CompletedProcess, float]:
-    args = ["--zero_stage", "2", "--micro_train_batch_size", "8", "--train_batch_size", "16", "--max_len", "16",
-            "--model_config", "configs/tiny_llama.json", "--tokenizer", f"{toy}/data/tokenizer",
-            "--dataset", f"{toy}/data/train.jsonl", "--learning_rate", "1e-3", "--max_steps", "8",
-            "--save_path", f"{toy}/{out}/model", "--ckpt_path", f"{toy}/{out}/ckpt", "--log_dir", f"{toy}/{out}/logs",
-            "--timeout_minutes", "1"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           SCRIPT, *args, *flags]
+def _job(
+    toy, out: str, *flags: str, timeout: float = 180
+) -> tuple[subprocess.CompletedProcess, float]:
+    args = [
+        "--zero_stage",
+        "2",
+        "--micro_train_batch_size",
+        "8",
+        "--train_batch_size",
+        "16",
+        "--max_len",
+        "16",
+        "--model_config",
+        "configs/tiny_llama.json",
+        "--tokenizer",
+        f"{toy}/data/tokenizer",
+        "--dataset",
+        f"{toy}/data/train.jsonl",
+        "--learning_rate",
+        "1e-3",
+        "--max_steps",
+        "8",
+        "--save_path",
+        f"{toy}/{out}/model",
+        "--ckpt_path",
+        f"{toy}/{out}/ckpt",
+        "--log_dir",
+        f"{toy}/{out}/logs",
+        "--timeout_minutes",
+        "1",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        SCRIPT,
+        *args,
+        *flags,
+    ]
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -46,21 +80,35 @@ def test_rank_raising_stops_everyone_and_names_it(toy):
     proc, seconds = _job(toy, "raise", "--fault", "raise", "--fault_rank", "1", "--fault_step", "3")
     err = proc.stderr
     assert proc.returncode != 0 and seconds < 120, err[-3000:]
-    assert "[strategy] rank 1 of 2 failed: ValueError: injected failure on rank 1" in err, err[-3000:]
+    assert "[strategy] rank 1 of 2 failed: ValueError: injected failure on rank 1" in err, err[
+        -3000:
+    ]
     assert "DONE" not in proc.stdout
 
 
 @pytest.mark.slow
 def test_killed_rank_then_resume_completes(toy):
-    proc, seconds = _job(toy, "kill", "--fault", "kill", "--fault_rank", "1", "--fault_step", "6",
-                         "--save_steps", "2")
+    proc, seconds = _job(
+        toy,
+        "kill",
+        "--fault",
+        "kill",
+        "--fault_rank",
+        "1",
+        "--fault_step",
+        "6",
+        "--save_steps",
+        "2",
+    )
     assert proc.returncode != 0 and seconds < 120, proc.stderr[-3000:]
     assert "DONE" not in proc.stdout
     ckpts = sorted(os.listdir(toy / "kill" / "ckpt"))
     assert "global_step4" in ckpts and "global_step6" not in ckpts, ckpts
     proc, _ = _job(toy, "kill", "--save_steps", "2", "--load_checkpoint")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed" in proc.stdout and "at step 4" in proc.stdout and "DONE step=8" in proc.stdout, proc.stdout
+    assert (
+        "resumed" in proc.stdout and "at step 4" in proc.stdout and "DONE step=8" in proc.stdout
+    ), proc.stdout
     assert (toy / "kill" / "model" / "model.safetensors").exists()
 
 
@@ -78,7 +126,9 @@ def test_fp16_overflow_steps_are_skipped_and_counted(toy):
     loss scaler, counted as skipped_steps in the metrics, and training goes on."""
     import json
 
-    proc, _ = _job(toy, "fp16", "--fp16", "--no-bf16", "--learning_rate", "1e3", "--logging_steps", "1")
+    proc, _ = _job(
+        toy, "fp16", "--fp16", "--no-bf16", "--learning_rate", "1e3", "--logging_steps", "1"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(toy / "fp16" / "logs" / "metrics.jsonl")]
     skipped = [r["train/skipped_steps"] for r in rows if "train/skipped_steps" in r]

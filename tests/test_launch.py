@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from strategy.dist import free_port
-from tests.spawn import shm_buffers
+from tests.support.ranks import shm_buffers
 
 PROBE = "tests/scripts/launch_probe.py"
 
@@ -18,10 +18,13 @@ PROBE = "tests/scripts/launch_probe.py"
 def _run(cmd: list[str], port: int, timeout: float = 240) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    pattern = r"RESULT rank=(\d+) world=(\d+) stage=(\d) loss=([\d.]+) shm_left=(True|False)"  # lines may interleave
+    # lines may interleave
+    pattern = r"RESULT rank=(\d+) world=(\d+) stage=(\d) loss=([\d.]+) shm_left=(True|False)"
     keys = ("rank", "world", "stage", "loss", "shm_left")
     results = [dict(zip(keys, m)) for m in re.findall(pattern, proc.stdout)]
-    assert proc.returncode == 0 and results, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and results, (
+        f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     assert not shm_buffers(port), f"left /dev/shm buffers: {shm_buffers(port)}"
     return results
 
@@ -30,8 +33,19 @@ def _run(cmd: list[str], port: int, timeout: float = 240) -> list[dict]:
 def test_deepspeed_launcher_zero3():
     port = free_port()
     bin_dir = os.path.dirname(sys.executable)
-    out = _run([os.path.join(bin_dir, "deepspeed"), "--num_gpus", "2", "--master_port", str(port), PROBE,
-                "--zero_stage", "3"], port)
+    out = _run(
+        [
+            os.path.join(bin_dir, "deepspeed"),
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(port),
+            PROBE,
+            "--zero_stage",
+            "3",
+        ],
+        port,
+    )
     assert sorted(r["rank"] for r in out) == ["0", "1"] and {r["world"] for r in out} == {"2"}
     assert {r["stage"] for r in out} == {"3"} and {r["shm_left"] for r in out} == {"False"}
     assert len({r["loss"] for r in out}) == 1
@@ -40,10 +54,34 @@ def test_deepspeed_launcher_zero3():
 @pytest.mark.slow
 def test_torchrun_and_single_process():
     port = free_port()
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-                PROBE, "--zero_stage", "2"], port)
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            PROBE,
+            "--zero_stage",
+            "2",
+        ],
+        port,
+    )
     assert sorted(r["rank"] for r in out) == ["0", "1"] and {r["stage"] for r in out} == {"2"}
-    env_free = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, PROBE, "--zero_stage", "1"], env={**env_free, "PYTHONPATH": os.getcwd()},
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0 and "RESULT rank=0 world=1 stage=1" in proc.stdout, proc.stderr[-3000:]
+    env_free = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    proc = subprocess.run(
+        [sys.executable, PROBE, "--zero_stage", "1"],
+        env={**env_free, "PYTHONPATH": os.getcwd()},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0 and "RESULT rank=0 world=1 stage=1" in proc.stdout, proc.stderr[
+        -3000:
+    ]

@@ -17,7 +17,10 @@ def test_logger_writes_jsonl_tensorboard_and_curve(tmp_path):
     log.log(3, {"loss": 0.5}, prefix="eval")
     log.close()
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert rows[0] == {"step": 1, "train/loss": 1.0, "train/lr": 0.1} and rows[-1] == {"step": 3, "eval/loss": 0.5}
+    assert rows[0] == {"step": 1, "train/loss": 1.0, "train/lr": 0.1} and rows[-1] == {
+        "step": 3,
+        "eval/loss": 0.5,
+    }
     assert (tmp_path / "loss_curve.png").stat().st_size > 1000
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents*"))
 

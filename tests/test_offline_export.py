@@ -1,4 +1,5 @@
-"""``python -m strategy.export``: a DeepSpeed checkpoint written at 2 ranks becomes an HF directory."""
+"""``python -m strategy.export``: a DeepSpeed checkpoint written at 2 ranks becomes an HF directory.
+"""
 
 from __future__ import annotations
 
@@ -10,29 +11,33 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import gathered_state, make_strategy
-from tests.models import tiny_gpt2, tiny_llama, token_batches
+from tests.support.helpers import gathered_state, make_strategy
+from tests.support.models import tiny_gpt2, tiny_llama, token_batches
 from tests.test_save_model import check_shards, reference_model, tiny_tokenizer, train_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_export(*args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE",
-                                                            "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "strategy.export", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=180, env=dict(env, PYTHONPATH=str(ROOT)))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "strategy.export", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(env, PYTHONPATH=str(ROOT)),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
 def _checkpoint(s, engine, ckpt: Path) -> None:
-    from strategy.export import save_model_metadata
-
-    engine.save_checkpoint(str(ckpt), tag="step2")
-    if s.is_rank_0:  # what a checkpoint keeps beside the DeepSpeed files for offline export
-        save_model_metadata(engine, ckpt, tiny_tokenizer())
-    s.barrier()
+    s.save_ckpt(engine, str(ckpt), tag="step2", tokenizer=tiny_tokenizer())
 
 
 def tied_checkpoint_exports(stage: int, root: str) -> None:
@@ -54,7 +59,9 @@ def tied_checkpoint_exports(stage: int, root: str) -> None:
     check_shards(out, 20_000)
     assert (out / "tokenizer.json").is_file()
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert loaded.lm_head.weight.data_ptr() == loaded.get_input_embeddings().weight.data_ptr(), "not tied"
+    assert loaded.lm_head.weight.data_ptr() == loaded.get_input_embeddings().weight.data_ptr(), (
+        "not tied"
+    )
     x = token_batches(1, 2, seed=7)[0]
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, reference_model(config, state)(x).logits)
@@ -91,7 +98,9 @@ def lora_checkpoint_exports(root: str) -> None:
     run_export(str(ckpt), str(Path(root) / "adapter"), "--tag", "step2")
     run_export(str(ckpt), str(Path(root) / "merged"), "--merge_lora", "--dtype", "fp32")
     assert sorted(p.name for p in (Path(root) / "adapter").glob("adapter_*")) == [
-        "adapter_config.json", "adapter_model.safetensors"]
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     base = reference_model(tiny_llama(), _base_state(state))
     with torch.no_grad():
         adapter_logits = PeftModel.from_pretrained(base, Path(root) / "adapter").eval()(x).logits
@@ -107,9 +116,12 @@ def test_offline_export_lora(ranks, tmp_path):
 
 
 def test_cli_errors_name_the_fix(tmp_path):
-    from strategy.offline_export import resolve_tag
+    from strategy.errors import ConfigError
+    from strategy.export.offline import find_tag
 
-    with pytest.raises(FileNotFoundError, match="pass --tag"):
-        resolve_tag(tmp_path, None)
-    with pytest.raises(FileNotFoundError, match="inside"):
-        resolve_tag(tmp_path, "../../etc")
+    with pytest.raises(
+        ConfigError, match="holds no complete checkpoint.*pass the directory save_ckpt wrote"
+    ):
+        find_tag(tmp_path, None)
+    with pytest.raises(ConfigError, match="tag='../../etc' is invalid"):
+        find_tag(tmp_path, "../../etc")

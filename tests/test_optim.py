@@ -1,4 +1,5 @@
-"""HybridAdam against torch's Adam/AdamW, its NVMe state files, the optimizer factory and its configs."""
+"""HybridAdam against torch's Adam/AdamW, its NVMe state files, the optimizer factory and its
+configs."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import os
 import pytest
 import torch
 
-from strategy.config import ConfigError, OptimConfig, StrategyConfig
-from strategy.ds_config import build_ds_config
-from strategy.hybrid_adam import HybridAdam
-from strategy.nvme_offload import StateFiles, plan_offload
+from strategy import ConfigError, OptimConfig, StrategyConfig
+from strategy.config.ds_config import build_ds_config
+from strategy.optim.hybrid_adam import HybridAdam
+from strategy.optim.nvme_offload import StateFiles, plan_offload
 
 STEPS = 5
 LR, BETAS, EPS = 1e-2, (0.9, 0.95), 1e-8
@@ -33,7 +34,10 @@ def _params(dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
 
 
 def _groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
-    return [{"params": params[:2], "weight_decay": weight_decay}, {"params": params[2:], "weight_decay": 0.0}]
+    return [
+        {"params": params[:2], "weight_decay": weight_decay},
+        {"params": params[2:], "weight_decay": 0.0},
+    ]
 
 
 def _grads(step: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -48,10 +52,16 @@ def _set_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         p.grad = grad.clone()
 
 
-def _reference(params: list[torch.Tensor], adamw_mode: bool, weight_decay: float, steps: int,
-               grad_dtype: torch.dtype) -> list[torch.Tensor]:
-    """torch.optim.AdamW (decoupled decay) or Adam (L2 in the gradient) on fp32 copies; for bf16/fp16
-    parameters every step's result is rounded back to the parameter dtype, as the CPU kernel does."""
+def _reference(
+    params: list[torch.Tensor],
+    adamw_mode: bool,
+    weight_decay: float,
+    steps: int,
+    grad_dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """torch.optim.AdamW (decoupled decay) or Adam (L2 in the gradient) on fp32 copies; for
+    bf16/fp16 parameters every step's result is rounded back to the parameter dtype, as the CPU
+    kernel does."""
     ref = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
     cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
     opt = cls(_groups(ref, weight_decay), lr=LR, betas=BETAS, eps=EPS, foreach=False)
@@ -64,7 +74,9 @@ def _reference(params: list[torch.Tensor], adamw_mode: bool, weight_decay: float
     return [r.detach().to(params[0].dtype) for r in ref]
 
 
-def _run(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: range, grad_dtype: torch.dtype) -> None:
+def _run(
+    opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: range, grad_dtype: torch.dtype
+) -> None:
     for k in steps:
         _set_grads(params, _grads(k, grad_dtype))
         opt.step()
@@ -78,22 +90,39 @@ def _close(got: list[torch.Tensor], want: list[torch.Tensor], tol: dict) -> None
 # ---------------------------------------------------------------- math vs torch
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
 @pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam_l2"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["wd0", "wd0.1"])
 def test_cpu_path_matches_torch(dtype, adamw_mode, weight_decay):
     params = _params(dtype)
     want = _reference(params, adamw_mode, weight_decay, STEPS, dtype)
-    opt = HybridAdam(_groups(params, weight_decay), lr=LR, betas=BETAS, eps=EPS, adamw_mode=adamw_mode)
+    opt = HybridAdam(
+        _groups(params, weight_decay), lr=LR, betas=BETAS, eps=EPS, adamw_mode=adamw_mode
+    )
     _run(opt, params, range(STEPS), dtype)
-    _close(params, want, {torch.float32: FP32_TOL, torch.bfloat16: BF16_TOL, torch.float16: FP16_TOL}[dtype])
+    _close(
+        params,
+        want,
+        {torch.float32: FP32_TOL, torch.bfloat16: BF16_TOL, torch.float16: FP16_TOL}[dtype],
+    )
     start = _params(dtype)
-    moved = max((p.detach().float() - q.float()).abs().max().item() for p, q in zip(params, start, strict=True))
-    assert moved > LR, f"parameters barely moved ({moved:.2e}): the test would not see a wrong update"
-    assert all(opt.state[p]["exp_avg"].dtype == torch.float32 for p in params), "CPU moments must be fp32"
+    moved = max(
+        (p.detach().float() - q.float()).abs().max().item()
+        for p, q in zip(params, start, strict=True)
+    )
+    assert moved > LR, (
+        f"parameters barely moved ({moved:.2e}): the test would not see a wrong update"
+    )
+    assert all(opt.state[p]["exp_avg"].dtype == torch.float32 for p in params), (
+        "CPU moments must be fp32"
+    )
 
 
-@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16], ids=["bf16_grad", "fp16_grad"])
+@pytest.mark.parametrize(
+    "grad_dtype", [torch.bfloat16, torch.float16], ids=["bf16_grad", "fp16_grad"]
+)
 def test_low_precision_grads_of_fp32_params(grad_dtype):
     params = _params(torch.float32)
     want = _reference(params, True, 0.1, STEPS, grad_dtype)
@@ -118,7 +147,8 @@ def test_without_bias_correction_matches_formula():
 
 
 def test_fused_multi_tensor_path_matches_torch(monkeypatch):
-    """The accelerator path runs DeepSpeed's multi-tensor kernel; its CPU build lets it run here too."""
+    """The accelerator path runs DeepSpeed's multi-tensor kernel; its CPU build lets it run here
+    too."""
     params = _params(torch.float32)
     want = _reference(params, True, 0.1, STEPS, torch.float32)
     opt = HybridAdam(_groups(params, 0.1), lr=LR, betas=BETAS, eps=EPS)
@@ -136,7 +166,10 @@ def test_non_contiguous_param_is_updated_in_place():
     base = torch.randn(8, 5, generator=torch.Generator().manual_seed(5))
     p, ref = torch.nn.Parameter(base.clone().t()), torch.nn.Parameter(base.clone().t())
     assert not p.is_contiguous()
-    opt, ref_opt = HybridAdam([p], lr=LR, weight_decay=0.1), torch.optim.AdamW([ref], lr=LR, weight_decay=0.1)
+    opt, ref_opt = (
+        HybridAdam([p], lr=LR, weight_decay=0.1),
+        torch.optim.AdamW([ref], lr=LR, weight_decay=0.1),
+    )
     for k in range(STEPS):
         grad = torch.randn(5, 8, generator=torch.Generator().manual_seed(k))
         p.grad, ref.grad = grad.clone(), grad.clone()
@@ -156,9 +189,16 @@ def test_skips_params_without_grad():
     assert torch.equal(params[0].detach(), before) and params[0] not in opt.state
 
 
-@pytest.mark.parametrize("kwargs,field", [({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, "betas"),
-                                          ({"eps": -1e-8}, "eps"), ({"weight_decay": -0.1}, "weight_decay"),
-                                          ({"nvme_offload_fraction": 1.5}, "nvme_offload_fraction")])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"lr": -1.0}, "lr"),
+        ({"betas": (0.9, 1.0)}, "betas"),
+        ({"eps": -1e-8}, "eps"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"nvme_offload_fraction": 1.5}, "nvme_offload_fraction"),
+    ],
+)
 def test_bad_arguments_name_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=f"^{field}="):
         HybridAdam(_params(torch.float32), **kwargs)
@@ -170,16 +210,21 @@ def test_bad_arguments_name_the_field(kwargs, field):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_state_dict_round_trip_mid_run_continues_identically(dtype):
     params = _params(dtype)
-    # default betas: with them DeepSpeed's cached beta^t product and pow(beta, t) differ in the last bit
+    # default betas: with them DeepSpeed's cached beta^t product and pow(beta, t) differ in the last
+    # bit
     opt = HybridAdam(_groups(params, 0.1), lr=LR, eps=EPS)
     _run(opt, params, range(3), dtype)
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt2 = HybridAdam(_groups(resumed, 0.5), lr=1.0, betas=(0.5, 0.5), eps=1.0)  # all overwritten by the load
+    opt2 = HybridAdam(
+        _groups(resumed, 0.5), lr=1.0, betas=(0.5, 0.5), eps=1.0
+    )  # all overwritten by the load
     buf.seek(0)
     opt2.load_state_dict(torch.load(buf, weights_only=True))
-    assert all(opt2.state[p]["exp_avg_sq"].dtype == torch.float32 for p in resumed), "load kept fp32 moments"
+    assert all(opt2.state[p]["exp_avg_sq"].dtype == torch.float32 for p in resumed), (
+        "load kept fp32 moments"
+    )
     _run(opt, params, range(3, 7), dtype)
     _run(opt2, resumed, range(3, 7), dtype)
     for a, b in zip(params, resumed, strict=True):
@@ -192,21 +237,32 @@ def test_state_dict_round_trip_mid_run_continues_identically(dtype):
 def test_plan_honours_fraction_by_element_count():
     params = [torch.empty(n) for n in (100, 300, 50, 400, 150)]  # 1000 elements
     chosen = plan_offload(params, 0.5)
-    assert sum(p.numel() for p in chosen) == 450 <= 500  # 100 + 300 + 50; 400 and 150 would overshoot
+    assert (
+        sum(p.numel() for p in chosen) == 450 <= 500
+    )  # 100 + 300 + 50; 400 and 150 would overshoot
     assert plan_offload(params, 1.0) == params and plan_offload(params, 0.0) == []
 
 
 @pytest.mark.parametrize("use_aio", [False, True], ids=["file", "async_io"])
 def test_nvme_fraction_same_numbers_and_real_files(tmp_path, use_aio):
-    params = [torch.nn.Parameter(torch.randn(512, generator=torch.Generator().manual_seed(i))) for i in range(4)]
+    params = [
+        torch.nn.Parameter(torch.randn(512, generator=torch.Generator().manual_seed(i)))
+        for i in range(4)
+    ]
     plain = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    grads = [[torch.randn(512, generator=torch.Generator().manual_seed(100 * k + i)) for i in range(4)]
-             for k in range(STEPS)]
-    opt = HybridAdam(params, lr=LR, weight_decay=0.1, nvme_offload_fraction=0.5, nvme_offload_dir=str(tmp_path))
+    grads = [
+        [torch.randn(512, generator=torch.Generator().manual_seed(100 * k + i)) for i in range(4)]
+        for k in range(STEPS)
+    ]
+    opt = HybridAdam(
+        params, lr=LR, weight_decay=0.1, nvme_offload_fraction=0.5, nvme_offload_dir=str(tmp_path)
+    )
     opt.state_files.close()
     opt.state_files = StateFiles(str(tmp_path), use_aio=use_aio)
     if use_aio and opt.state_files.backend != "async_io":
-        pytest.skip("DeepSpeed's async_io op does not build or cannot O_DIRECT here (needs libaio-dev)")
+        pytest.skip(
+            "DeepSpeed's async_io op does not build or cannot O_DIRECT here (needs libaio-dev)"
+        )
     ref = HybridAdam(plain, lr=LR, weight_decay=0.1)
     for k in range(STEPS):
         for ps, o in ((params, opt), (plain, ref)):
@@ -218,10 +274,14 @@ def test_nvme_fraction_same_numbers_and_real_files(tmp_path, use_aio):
     assert len(offloaded) == 2, "half of 4 equal tensors by element count"
     for p in params:
         on_file = p in opt.state_files
-        assert ("exp_avg" in opt.state[p]) != on_file, "offloaded moments must leave memory between steps"
+        assert ("exp_avg" in opt.state[p]) != on_file, (
+            "offloaded moments must leave memory between steps"
+        )
         for key in ("exp_avg", "exp_avg_sq"):
             path = opt.state_files.path(p, key) if on_file else None
-            assert not on_file or os.path.getsize(path) == 512 * 4, f"{path}: expected 512 fp32 values"
+            assert not on_file or os.path.getsize(path) == 512 * 4, (
+                f"{path}: expected 512 fp32 values"
+            )
     sd, ref_sd = opt.state_dict(), ref.state_dict()
     for i in range(4):
         assert torch.equal(sd["state"][i]["exp_avg_sq"], ref_sd["state"][i]["exp_avg_sq"])
@@ -241,7 +301,9 @@ def test_nvme_round_trip_through_state_dict(tmp_path):
     _run(opt, params, range(2, 5), torch.float32)
     _run(opt2, resumed, range(2, 5), torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(params, resumed, strict=True))
-    assert sum(p.numel() for p in params if p in opt2.state_files) <= 0.6 * sum(p.numel() for p in params)
+    assert sum(p.numel() for p in params if p in opt2.state_files) <= 0.6 * sum(
+        p.numel() for p in params
+    )
 
 
 # ---------------------------------------------------------------- accelerator
@@ -255,7 +317,10 @@ def test_mixed_cpu_and_accelerator_params(dtype):
     device = get_accelerator().device_name()
     params = _params(dtype)
     want = _reference(params, True, 0.1, STEPS, dtype)
-    mixed = [torch.nn.Parameter(p.detach().clone().to(device if i % 2 else "cpu")) for i, p in enumerate(params)]
+    mixed = [
+        torch.nn.Parameter(p.detach().clone().to(device if i % 2 else "cpu"))
+        for i, p in enumerate(params)
+    ]
     opt = HybridAdam(_groups(mixed, 0.1), lr=LR, betas=BETAS, eps=EPS)
     for k in range(STEPS):
         for p, g in zip(mixed, _grads(k, dtype), strict=True):
@@ -270,11 +335,16 @@ def test_mixed_cpu_and_accelerator_params(dtype):
 # ---------------------------------------------------------------- factory and configs
 
 
-@pytest.mark.parametrize("name,offload,cls", [("fused_adam", False, "FusedAdam"),
-                                              ("fused_adam", True, "DeepSpeedCPUAdam"),
-                                              ("cpu_adam", True, "DeepSpeedCPUAdam"),
-                                              ("hybrid_adam", False, "HybridAdam"),
-                                              ("hybrid_adam", True, "HybridAdam")])
+@pytest.mark.parametrize(
+    "name,offload,cls",
+    [
+        ("fused_adam", False, "FusedAdam"),
+        ("fused_adam", True, "DeepSpeedCPUAdam"),
+        ("cpu_adam", True, "DeepSpeedCPUAdam"),
+        ("hybrid_adam", False, "HybridAdam"),
+        ("hybrid_adam", True, "HybridAdam"),
+    ],
+)
 def test_build_optimizer_picks_by_name(name, offload, cls):
     from strategy.optim import build_optimizer
 
@@ -286,20 +356,30 @@ def test_build_optimizer_picks_by_name(name, offload, cls):
 
 def test_optimizer_name_is_validated():
     with pytest.raises(ConfigError, match="^optimizer='adam8bit'"):
-        OptimConfig(optimizer="adam8bit").validate()
+        OptimConfig(optimizer="adam8bit")
 
 
-@pytest.mark.parametrize("kw", [dict(zero_stage=2, adam_offload=True), dict(zero_stage=3, adam_offload=False),
-                                dict(zero_stage=3, adam_offload=True, offload_ratio=0.0)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(zero_stage=2, adam_offload=True),
+        dict(zero_stage=3, adam_offload=False),
+        dict(zero_stage=3, adam_offload=True, offload_ratio=0.0),
+    ],
+)
 def test_offload_ratio_refused_where_deepspeed_lacks_it(kw):
     with pytest.raises(ConfigError, match="^offload_ratio="):
-        StrategyConfig(**{"offload_ratio": 0.5, **kw}).validate()
+        StrategyConfig(**{"offload_ratio": 0.5, **kw})
 
 
 def test_offload_ratio_and_client_optimizer_in_ds_config():
-    cfg = StrategyConfig(zero_stage=3, adam_offload=True, offload_ratio=0.3, micro_train_batch_size=1,
-                         train_batch_size=2)
-    cfg.validate()
+    cfg = StrategyConfig(
+        zero_stage=3,
+        adam_offload=True,
+        offload_ratio=0.3,
+        micro_train_batch_size=1,
+        train_batch_size=2,
+    )
     zero = build_ds_config(cfg, 2)["zero_optimization"]
     assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.3}
     assert build_ds_config(cfg, 2)["zero_force_ds_cpu_optimizer"] is False
@@ -321,31 +401,41 @@ def test_offload_ratio_refused_with_hybrid_adam():
 
 
 def train_zero2_offload(name: str, steps: int = 4, stage: int = 2) -> list[float]:
-    """Train tiny LLaMA with ZeRO-``stage`` + optimizer offload with the named optimizer; losses per step."""
-    from tests.helpers import make_strategy
-    from tests.models import tiny_llama, token_batches
+    """Train tiny LLaMA with ZeRO-``stage`` + optimizer offload with the named optimizer; losses per
+    step."""
+    from tests.support.helpers import make_strategy
+    from tests.support.models import tiny_llama, token_batches
 
-    s = make_strategy(stage, offload=True)
-    s.optim.optimizer = name
-    s.optim.validate()
+    s = make_strategy(stage, offload=True, optimizer=name)
     model = s.from_pretrained(tiny_llama())
     optimizer = s.create_optimizer(model)
     engine = s.prepare((model, optimizer, s.create_scheduler(optimizer, num_training_steps=steps)))
-    assert type(engine.optimizer.optimizer).__name__ == {"hybrid_adam": "HybridAdam"}.get(name, "DeepSpeedCPUAdam")
+    assert type(engine.optimizer.optimizer).__name__ == {"hybrid_adam": "HybridAdam"}.get(
+        name, "DeepSpeedCPUAdam"
+    )
     micro, world = 2, s.world_size
-    batch = token_batches(1, micro * s.accumulation_steps * world)[0]  # fixed data: the loss must fall
+    batch = token_batches(1, micro * s.accumulation_steps * world)[
+        0
+    ]  # fixed data: the loss must fall
     losses = []
     for _ in range(steps):
         step = []
         for a in range(s.accumulation_steps):
-            x = batch[(a * world + s.rank) * micro:][:micro]
+            x = batch[(a * world + s.rank) * micro :][:micro]
             loss = engine(input_ids=x, labels=x).loss
             s.backward(loss, engine)
             s.optimizer_step(engine)
             step.append(loss.item())
         losses.append(s.all_reduce(sum(step) / len(step)))
-    states = [t for st in engine.optimizer.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
-    assert states and all(t.device.type == "cpu" for t in states), "offloaded moments must live on the CPU"
+    states = [
+        t
+        for st in engine.optimizer.optimizer.state.values()
+        for t in st.values()
+        if torch.is_tensor(t)
+    ]
+    assert states and all(t.device.type == "cpu" for t in states), (
+        "offloaded moments must live on the CPU"
+    )
     s.close()
     return losses
 
@@ -361,11 +451,14 @@ def test_hybrid_adam_in_offload_matches_cpu_adam(ranks, stage):
     ref, got = out[0]["cpu_adam"], out[0]["hybrid_adam"]
     assert out[0] == out[1], "ranks disagree on the averaged losses"
     assert got[-1] < got[0], f"HybridAdam did not train: {got}"
-    # both step the same fp32 CPU partitions (ZeRO-3: sub-group partitions) with the same DeepSpeed CPU
+    # both step the same fp32 CPU partitions (ZeRO-3: sub-group partitions) with the same DeepSpeed
+    # CPU
     # Adam kernel; only the float rounding of a different call order could separate them
     assert got == pytest.approx(ref, rel=1e-6), (got, ref)
-    print(f"ZeRO-{stage} losses HybridAdam {got} DeepSpeedCPUAdam {ref}; max relative gap "
-          f"{max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)):.2e}")
+    print(
+        f"ZeRO-{stage} losses HybridAdam {got} DeepSpeedCPUAdam {ref}; max relative gap "
+        f"{max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)):.2e}"
+    )
 
 
 @pytest.mark.slow
@@ -380,7 +473,11 @@ def test_hybrid_adam_zero2_offload_checkpoint_resumes_exactly(ranks, tmp_path):
     for f, a, b in zip(full, first, second, strict=True):
         assert f["optimizer"] == b["optimizer"] == "HybridAdam"
         assert b["resume"].global_step == CKPT_STEPS // 2
-        assert {**a["losses"], **b["losses"]} == f["losses"], (a["losses"], b["losses"], f["losses"])
+        assert {**a["losses"], **b["losses"]} == f["losses"], (
+            a["losses"],
+            b["losses"],
+            f["losses"],
+        )
         for i, (want, got) in enumerate(zip(f["master"], b["master"], strict=True)):
             assert torch.equal(want, got), f"fp32 partition {i} differs after resume"
         for name, value in f["weights"].items():
@@ -389,12 +486,15 @@ def test_hybrid_adam_zero2_offload_checkpoint_resumes_exactly(ranks, tmp_path):
 
 
 def partial_offload_run(ratio: float, steps: int = 3) -> dict:
-    """ZeRO-3 + DeepSpeedCPUAdam with ``offload_ratio``; which devices the fp32 sub-groups landed on."""
-    from tests.helpers import make_strategy
-    from tests.models import tiny_llama, token_batches
+    """ZeRO-3 + DeepSpeedCPUAdam with ``offload_ratio``; which devices the fp32 sub-groups landed
+    on."""
+    from tests.support.helpers import make_strategy
+    from tests.support.models import tiny_llama, token_batches
 
     s = make_strategy(3, offload=True, offload_ratio=ratio, micro=2, total=2)
-    s.config.ds_config_overrides["zero_optimization"]["sub_group_size"] = 4096  # several sub-groups to split
+    s.config.ds_config_overrides["zero_optimization"]["sub_group_size"] = (
+        4096  # several sub-groups to split
+    )
     model = s.from_pretrained(tiny_llama())
     optimizer = s.create_optimizer(model)
     engine = s.prepare((model, optimizer, s.create_scheduler(optimizer, num_training_steps=steps)))
@@ -419,7 +519,10 @@ def test_offload_ratio_really_splits_optimizer_states(ranks):
     part = ranks.run(partial_offload_run, 0.5, world_size=1)[0]
     full = ranks.run(partial_offload_run, 1.0, world_size=1)[0]
     assert full["devices"] == ["cpu"], full
-    assert part["devices"] == sorted(["cpu", accel]), f"ratio 0.5 kept no sub-group on the accelerator: {part}"
+    assert part["devices"] == sorted(["cpu", accel]), (
+        f"ratio 0.5 kept no sub-group on the accelerator: {part}"
+    )
     assert part["losses"][-1] < part["losses"][0], part
-    # the accelerator's sub-groups step with torch AdamW, the others with CPU Adam: float rounding only
+    # the accelerator's sub-groups step with torch AdamW, the others with CPU Adam: float rounding
+    # only
     assert part["losses"] == pytest.approx(full["losses"], rel=1e-4)

@@ -1,4 +1,5 @@
-"""``save_model`` at 2 ranks on the real engine: HF directories that reload to the trained weights."""
+"""``save_model`` at 2 ranks on the real engine: HF directories that reload to the trained weights.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +10,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import gathered_state, make_strategy
-from tests.models import FAMILIES, VOCAB, tiny_llama, token_batches
+from tests.support.helpers import gathered_state, make_strategy
+from tests.support.models import FAMILIES, VOCAB, tiny_llama, token_batches
 
 SHARD = "20KB"  # tiny models are ~100 KB in fp32: forces 5-8 shards
 _AUDIT = {"root": None, "touched": []}
 
 
 def _audit(event: str, args: tuple) -> None:
-    """Records any file creation, write, rename or removal under the watched root (rank 1's check)."""
+    """Records any file creation, write, rename or removal under the watched root (rank 1's check).
+    """
     root = _AUDIT["root"]
-    if root is None or event not in ("open", "os.mkdir", "os.rename", "os.replace", "os.remove", "shutil.rmtree"):
+    if root is None or event not in (
+        "open",
+        "os.mkdir",
+        "os.rename",
+        "os.replace",
+        "os.remove",
+        "shutil.rmtree",
+    ):
         return
-    if event == "open" and (len(args) < 2 or not isinstance(args[1], str) or set(args[1]) <= {"r", "b", "t"}):
+    if event == "open" and (
+        len(args) < 2 or not isinstance(args[1], str) or set(args[1]) <= {"r", "b", "t"}
+    ):
         return
     if any(isinstance(a, (str, Path)) and str(a).startswith(root) for a in args):
         _AUDIT["touched"].append((event, str(args[0])))
@@ -48,7 +59,7 @@ def tiny_tokenizer():
 
 def train_steps(s, engine, steps: int = 2) -> None:
     for x in token_batches(steps, 2 * s.world_size, seed=3):
-        x = x[s.rank * 2:(s.rank + 1) * 2]
+        x = x[s.rank * 2 : (s.rank + 1) * 2]
         for _ in range(s.accumulation_steps):
             s.backward(engine(input_ids=x, labels=x).loss, engine)
             s.optimizer_step(engine)
@@ -86,7 +97,7 @@ def reference_model(config, state: dict[str, torch.Tensor], dtype=torch.float32)
 def export_roundtrip(stage: int, family: str, root: str) -> dict:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from strategy.shards import parse_size
+    from strategy.export.shards import parse_size
 
     s = make_strategy(stage)
     config = FAMILIES[family]()
@@ -105,16 +116,22 @@ def export_roundtrip(stage: int, family: str, root: str) -> dict:
         return {}
     check_shards(out, parse_size(SHARD))
     assert (out / "config.json").is_file() and (out / "generation_config.json").is_file()
-    assert [p.name for p in Path(root).iterdir() if p.name.startswith(".")] == [], "temporary directory left"
+    assert [p.name for p in Path(root).iterdir() if p.name.startswith(".")] == [], (
+        "temporary directory left"
+    )
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
     ref = reference_model(config, state)
     for name, value in state.items():
         assert torch.equal(loaded.state_dict()[name], value), f"{name} differs after reload"
     if config.tie_word_embeddings:
-        assert loaded.lm_head.weight.data_ptr() == loaded.get_input_embeddings().weight.data_ptr(), "not tied"
+        assert (
+            loaded.lm_head.weight.data_ptr() == loaded.get_input_embeddings().weight.data_ptr()
+        ), "not tied"
     x = token_batches(1, 2, seed=7)[0]
     with torch.no_grad():
-        assert torch.equal(loaded(x).logits, ref(x).logits), "reloaded logits differ from the trained weights"
+        assert torch.equal(loaded(x).logits, ref(x).logits), (
+            "reloaded logits differ from the trained weights"
+        )
     # the generic class: AutoTokenizer would pick the family's own tokenizer class for qwen2
     assert PreTrainedTokenizerFast.from_pretrained(out)("t1 t2 t3")["input_ids"] == [1, 2, 3]
     return {"files": sorted(p.name for p in out.iterdir())}
@@ -135,7 +152,11 @@ def _base_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for k, v in state.items():
         if "lora_" in k or ".modules_to_save." in k:
             continue
-        out[k.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", ".")] = v
+        out[
+            k.removeprefix("base_model.model.")
+            .replace(".base_layer.", ".")
+            .replace(".original_module.", ".")
+        ] = v
     return out
 
 
@@ -145,8 +166,13 @@ def lora_roundtrip(root: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     s = make_strategy(3, bf16=True, lr=5e-2)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                      modules_to_save=["lm_head"], task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        modules_to_save=["lm_head"],
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(s.from_pretrained(tiny_llama()), lora, autocast_adapter_dtype=False)
     optimizer = s.create_optimizer(model)
     engine = s.prepare((model, optimizer, s.create_scheduler(optimizer, num_training_steps=4)))
@@ -166,12 +192,21 @@ def lora_roundtrip(root: str) -> dict:
         assert touched == [], f"rank 1 touched the filesystem: {touched[:5]}"
         return {}
     adapter = load_file(adapter_dir / "adapter_model.safetensors")
-    assert sorted(p.name for p in adapter_dir.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in adapter_dir.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     assert all("lora_" in k or "lm_head" in k for k in adapter), sorted(adapter)[:5]
     assert any("lora_B" in k for k in adapter) and any("lm_head" in k for k in adapter)
-    assert all(v.numel() > 0 and v.dtype == torch.bfloat16 for v in adapter.values()), "empty or wrong-dtype tensor"
-    assert not any(".base_layer." in k or "embed_tokens" in k for k in adapter), "frozen base weights saved"
-    assert max(v.abs().max().item() for k, v in adapter.items() if "lora_B" in k) > 0, "adapter never trained"
+    assert all(v.numel() > 0 and v.dtype == torch.bfloat16 for v in adapter.values()), (
+        "empty or wrong-dtype tensor"
+    )
+    assert not any(".base_layer." in k or "embed_tokens" in k for k in adapter), (
+        "frozen base weights saved"
+    )
+    assert max(v.abs().max().item() for k, v in adapter.items() if "lora_B" in k) > 0, (
+        "adapter never trained"
+    )
 
     base = reference_model(tiny_llama(), _base_state(state), torch.bfloat16)
     reloaded = PeftModel.from_pretrained(base, adapter_dir, autocast_adapter_dtype=False).eval()
@@ -215,7 +250,9 @@ def dtype_frozen_and_failure(root: str) -> dict:
     if s.is_rank_0:
         blocker.write_text("not a directory")
     s.barrier()
-    with pytest.raises(RuntimeError, match="failed on rank 0") as err:  # every rank raises, none hangs
+    with pytest.raises(
+        RuntimeError, match="failed on rank 0"
+    ) as err:  # every rank raises, none hangs
         s.save_model(engine, None, blocker)
     s.close()
     if not s.is_rank_0:

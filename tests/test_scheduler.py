@@ -1,4 +1,5 @@
-"""CosineAnnealingWarmupLR against its closed form at every step, resume, and create_scheduler by name."""
+"""CosineAnnealingWarmupLR against its closed form at every step, resume, and create_scheduler by
+name."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from strategy.scheduler import CosineAnnealingWarmupLR, create_scheduler
+from strategy.optim.scheduler import CosineAnnealingWarmupLR, create_scheduler
 
 BASE = 0.1
 # the schedule and the formula below are the same float64 expressions evaluated in a different order
@@ -20,11 +21,15 @@ def formula(t: int, total: int, warmup: int, eta_min: float, base: float = BASE)
         return base * (t + 1) / warmup
     if t >= total:
         return eta_min
-    return eta_min + (base - eta_min) * (1 + math.cos(math.pi * (t - warmup) / (total - warmup))) / 2
+    return (
+        eta_min + (base - eta_min) * (1 + math.cos(math.pi * (t - warmup) / (total - warmup))) / 2
+    )
 
 
 def _optimizer(lrs=(BASE,)) -> torch.optim.Optimizer:
-    return torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in lrs])
+    return torch.optim.SGD(
+        [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in lrs]
+    )
 
 
 def _run(sched: CosineAnnealingWarmupLR, opt: torch.optim.Optimizer, steps: int) -> list[float]:
@@ -89,9 +94,14 @@ def test_resume_from_state_dict_continues_identically(stop):
     assert head + _run(sched_b, opt_b, total - stop) == pytest.approx(full, rel=REL)
 
 
-@pytest.mark.parametrize("kwargs,field", [({"total_steps": 0}, "total_steps"),
-                                          ({"total_steps": 4, "warmup_steps": 5}, "warmup_steps"),
-                                          ({"total_steps": 4, "eta_min": -1.0}, "eta_min")])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"total_steps": 0}, "total_steps"),
+        ({"total_steps": 4, "warmup_steps": 5}, "warmup_steps"),
+        ({"total_steps": 4, "eta_min": -1.0}, "eta_min"),
+    ],
+)
 def test_bad_arguments_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}="):
         CosineAnnealingWarmupLR(_optimizer(), **kwargs)
@@ -99,11 +109,18 @@ def test_bad_arguments_name_the_field(kwargs, field):
 
 def test_create_scheduler_offers_it_by_name():
     opt = _optimizer()
-    sched = create_scheduler(opt, "cosine_annealing_warmup", num_training_steps=10, warmup_ratio=0.2,
-                             min_lr_ratio=0.1)
+    sched = create_scheduler(
+        opt, "cosine_annealing_warmup", num_training_steps=10, warmup_ratio=0.2, min_lr_ratio=0.1
+    )
     assert isinstance(sched, CosineAnnealingWarmupLR)
-    assert (sched.total_steps, sched.warmup_steps, sched.eta_min) == (10, 2, pytest.approx(0.1 * BASE))
-    assert _run(sched, opt, 10) == pytest.approx([formula(t, 10, 2, 0.1 * BASE) for t in range(10)], rel=REL)
+    assert (sched.total_steps, sched.warmup_steps, sched.eta_min) == (
+        10,
+        2,
+        pytest.approx(0.1 * BASE),
+    )
+    assert _run(sched, opt, 10) == pytest.approx(
+        [formula(t, 10, 2, 0.1 * BASE) for t in range(10)], rel=REL
+    )
 
 
 def test_create_scheduler_still_offers_transformers_schedules():

@@ -1,53 +1,74 @@
-"""Every shipped example config runs a few steps at 2 ranks (paths pointed at generated toy data)."""
+"""Every shipped example config runs a few steps at 2 ranks (paths pointed at generated toy data).
+"""
 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-sys.path.insert(0, EXAMPLES)
-
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    from toy_task import make
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from strategy.demos.toy_task import make
     from strategy.trainers.recipe import hf_config
 
     root = tmp_path_factory.mktemp("configs")
     make(str(root / "data"), n_train=512, n_test=16)  # packed 8-to-a-row, still > 2 batches
     tok = AutoTokenizer.from_pretrained(str(root / "data" / "tokenizer"))
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", tok)).save_pretrained(root / "model")
+    AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", tok)).save_pretrained(
+        root / "model"
+    )
     tok.save_pretrained(root / "model")
     return root
 
 
 def run_example(script: str, config: str, toy: str) -> dict:
-    import importlib
+    from tests.support.helpers import load_example
 
     data, out = f"{toy}/data", f"{toy}/out/{os.path.basename(config)}"
     train = "pairs_train" if script in ("train_rm", "train_dpo") else "train"
     held = "pairs_test" if script in ("train_rm", "train_dpo") else "test"
-    argv = ["--config", config, "--max_steps", "3", "--tokenizer", f"{data}/tokenizer",
-            "--dataset", f"{data}/{train}.jsonl", "--eval_dataset", f"{data}/{held}.jsonl",
-            "--save_path", f"{out}/model", "--ckpt_path", f"{out}/ckpt", "--log_dir", f"{out}/logs"]
+    argv = [
+        "--config",
+        config,
+        "--max_steps",
+        "3",
+        "--tokenizer",
+        f"{data}/tokenizer",
+        "--dataset",
+        f"{data}/{train}.jsonl",
+        "--eval_dataset",
+        f"{data}/{held}.jsonl",
+        "--save_path",
+        f"{out}/model",
+        "--ckpt_path",
+        f"{out}/ckpt",
+        "--log_dir",
+        f"{out}/logs",
+    ]
     if "pretrain:" in open(config).read():
         argv += ["--pretrain", f"{toy}/model"]
-    return importlib.import_module(script).main(argv)
+    return load_example(script)(argv)
 
 
-CONFIGS = [("train_sft", "configs/sft_zero2.yaml"), ("train_sft", "configs/sft_zero3.yaml"),
-           ("train_sft", "configs/sft_zero3_lora_offload.yaml"), ("train_rm", "configs/rm_zero2.yaml"),
-           ("train_dpo", "configs/dpo_zero3.yaml"), ("custom_trainer", "configs/sft_zero2.yaml")]
+CONFIGS = [
+    ("train_sft", "configs/sft_zero2.yaml"),
+    ("train_sft", "configs/sft_zero3.yaml"),
+    ("train_sft", "configs/sft_zero3_lora_offload.yaml"),
+    ("train_rm", "configs/rm_zero2.yaml"),
+    ("train_dpo", "configs/dpo_zero3.yaml"),
+    ("custom_trainer", "configs/sft_zero2.yaml"),
+]
 
 
-@pytest.mark.parametrize("script,config", CONFIGS, ids=[f"{s}:{os.path.basename(c)}" for s, c in CONFIGS])
+@pytest.mark.parametrize(
+    "script,config", CONFIGS, ids=[f"{s}:{os.path.basename(c)}" for s, c in CONFIGS]
+)
 def test_shipped_config_runs(ranks, toy, script, config):
     final = ranks.run(run_example, script, config, str(toy))[0]
     assert final and all(torch.isfinite(torch.tensor(v)) for v in final.values()), final

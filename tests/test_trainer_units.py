@@ -4,25 +4,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from strategy.trainers import datasets as ds
+from strategy.trainers import data as ds
 from strategy.trainers.config import DataConfig
 from strategy.trainers.dpo import dpo_loss
 from strategy.trainers.rm import pairwise_metrics
 from strategy.trainers.sft import response_loss
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from toy_task import make_tokenizer
+    from strategy.demos.toy_task import make_tokenizer
 
     return make_tokenizer(str(tmp_path_factory.mktemp("tok")))
 
@@ -35,7 +31,9 @@ def test_dpo_loss_matches_direct_computation():
     expected, acc, margins = 0.0, 0, []
     for i in range(3):
         z = beta * ((pc[i] - rc[i]) - (pr[i] - rr[i])).item()
-        expected += (-(1 - ls) * math.log(1 / (1 + math.exp(-z))) - ls * math.log(1 / (1 + math.exp(z)))) / 3
+        expected += (
+            -(1 - ls) * math.log(1 / (1 + math.exp(-z))) - ls * math.log(1 / (1 + math.exp(z)))
+        ) / 3
         c, r = beta * (pc[i] - rc[i]).item(), beta * (pr[i] - rr[i]).item()
         acc += c > r
         margins.append(c - r)
@@ -47,9 +45,17 @@ def test_dpo_loss_matches_direct_computation():
 def test_pairwise_rm_metrics():
     chosen, rejected = torch.tensor([2.0, 0.0, -1.0, 3.0]), torch.tensor([1.0, 0.5, -2.0, 3.0])
     loss, m = pairwise_metrics(chosen, rejected)
-    direct = sum(-math.log(1 / (1 + math.exp(-(c - r)))) for c, r in zip(chosen.tolist(), rejected.tolist())) / 4
+    direct = (
+        sum(
+            -math.log(1 / (1 + math.exp(-(c - r))))
+            for c, r in zip(chosen.tolist(), rejected.tolist())
+        )
+        / 4
+    )
     assert loss.item() == pytest.approx(direct, rel=1e-6)
-    assert m["accuracy"] == 0.5 and m["reward_margin"] == pytest.approx(0.375)  # ties do not count as wins
+    assert m["accuracy"] == 0.5 and m["reward_margin"] == pytest.approx(
+        0.375
+    )  # ties do not count as wins
 
 
 def test_response_loss_counts_only_response_tokens():
@@ -57,9 +63,15 @@ def test_response_loss_counts_only_response_tokens():
     logits = torch.randn(2, 5, 7)
     labels = torch.tensor([[-100, -100, 3, 4, -100], [-100, 1, 2, 6, 5]])
     loss, n = response_loss(logits, labels)
-    terms = [F.cross_entropy(logits[b, t - 1][None], labels[b, t][None]) for b in range(2) for t in range(1, 5)
-             if labels[b, t] != -100]
-    assert n == 6 == len(terms) and loss.item() == pytest.approx(torch.stack(terms).mean().item(), rel=1e-6)
+    terms = [
+        F.cross_entropy(logits[b, t - 1][None], labels[b, t][None])
+        for b in range(2)
+        for t in range(1, 5)
+        if labels[b, t] != -100
+    ]
+    assert n == 6 == len(terms) and loss.item() == pytest.approx(
+        torch.stack(terms).mean().item(), rel=1e-6
+    )
 
 
 def _write(tmp_path, rows, name="d.jsonl"):
@@ -73,45 +85,66 @@ def test_sft_masking_and_collate(tmp_path, tok):
     rows = ds.load_sft(path, tok, DataConfig(max_len=16))
     batch = ds.collate_sft(tok.pad_token_id)(rows)
     eos, pad = tok.eos_token_id, tok.pad_token_id
-    assert batch["input_ids"][1].tolist() == tok("ab=ba", add_special_tokens=False)["input_ids"] + [eos, pad, pad]
+    assert batch["input_ids"][1].tolist() == tok("ab=ba", add_special_tokens=False)["input_ids"] + [
+        eos,
+        pad,
+        pad,
+    ]
     response = tok("ba", add_special_tokens=False)["input_ids"]
     assert batch["labels"][1].tolist() == [-100] * 3 + response + [eos, -100, -100]
     assert batch["attention_mask"][1].tolist() == [1] * 6 + [0, 0]
 
 
 def test_packing_keeps_samples_apart(tok):
-    samples = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5], "labels": [-100, 5]},
-               {"input_ids": [6, 7, 8, 9], "labels": [-100, 7, 8, 9]}]
+    samples = [
+        {"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
+        {"input_ids": [4, 5], "labels": [-100, 5]},
+        {"input_ids": [6, 7, 8, 9], "labels": [-100, 7, 8, 9]},
+    ]
     packed = ds.pack(samples, max_len=5)
     assert [p["seq_lens"] for p in packed] == [[3, 2], [4]]
     batch = ds.collate_sft(0)(packed)
     assert batch["position_ids"][0].tolist() == [0, 1, 2, 0, 1]
     mask = batch["attention_mask"][0, 0]
-    assert mask[3, :3].sum() == 0 and mask[4, 3] and not mask[2, 3]  # no attention across samples, causal inside
+    assert (
+        mask[3, :3].sum() == 0 and mask[4, 3] and not mask[2, 3]
+    )  # no attention across samples, causal inside
 
 
 def test_packed_forward_equals_separate_forwards(tok):
     from transformers import AutoModelForCausalLM
 
-    from tests.models import tiny_llama
+    from tests.support.models import tiny_llama
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_llama()).eval()
     a, b = [5, 6, 7], [8, 9]
-    batch = ds.collate_sft(0)(ds.pack([{"input_ids": a, "labels": a}, {"input_ids": b, "labels": b}], 8))
+    batch = ds.collate_sft(0)(
+        ds.pack([{"input_ids": a, "labels": a}, {"input_ids": b, "labels": b}], 8)
+    )
     with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"]).logits[0]
+        packed = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+        ).logits[0]
         alone = torch.cat([model(input_ids=torch.tensor([x])).logits[0] for x in (a, b)])
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
 
 
 BAD_ROWS = [
     ([{"output": "x"}], {}, "row 0: missing key 'input'"),
-    ([{"input": "ab=", "output": "ba"}, {"input": "a=", "output": "  "}], {}, "row 1: 'output' is empty"),
+    (
+        [{"input": "ab=", "output": "ba"}, {"input": "a=", "output": "  "}],
+        {},
+        "row 1: 'output' is empty",
+    ),
     ([{"input": "ab=", "output": 5}], {}, "row 0: 'output' is empty or not text"),
-    ([{"input": "abcdefghij=", "output": "jihgfedcba"}], {"overlong": "error", "max_len": 8},
-     "row 0: 14 tokens over max_len=8"),
+    (
+        [{"input": "abcdefghij=", "output": "jihgfedcba"}],
+        {"overlong": "error", "max_len": 8},
+        "row 0: 14 tokens over max_len=8",
+    ),
     ([{"q": "ab=", "output": "ba"}], {"input_key": "question"}, "missing key 'question'"),
 ]
 
@@ -136,14 +169,26 @@ def test_bad_files(tmp_path, tok):
 
 
 def test_skips_and_overlong_policies_are_counted(tmp_path, tok, capsys):
-    rows = [{"input": "ab=", "output": "ba"}, {"input": "ab="}, {"input": "abcdefghij=", "output": "jihgfedcba"}]
+    rows = [
+        {"input": "ab=", "output": "ba"},
+        {"input": "ab="},
+        {"input": "abcdefghij=", "output": "jihgfedcba"},
+    ]
     path = _write(tmp_path, rows)
     kept = ds.load_sft(path, tok, DataConfig(skip_bad_rows=True, max_len=8, overlong="drop"))
-    assert len(kept) == 1 and "dropped over max_len 1, skipped bad rows 1" in capsys.readouterr().out
+    assert (
+        len(kept) == 1 and "dropped over max_len 1, skipped bad rows 1" in capsys.readouterr().out
+    )
     kept = ds.load_sft(path, tok, DataConfig(skip_bad_rows=True, max_len=14, overlong="truncate"))
-    assert len(kept) == 2 and len(kept[1]["input_ids"]) == 14 and "truncated 1" in capsys.readouterr().out
+    assert (
+        len(kept) == 2
+        and len(kept[1]["input_ids"]) == 14
+        and "truncated 1" in capsys.readouterr().out
+    )
     with pytest.raises(ds.DataError, match="no usable rows"):
-        ds.load_sft(_write(tmp_path, [{"input": "a"}], "e.jsonl"), tok, DataConfig(skip_bad_rows=True))
+        ds.load_sft(
+            _write(tmp_path, [{"input": "a"}], "e.jsonl"), tok, DataConfig(skip_bad_rows=True)
+        )
 
 
 def test_pairs_collate_chosen_then_rejected(tmp_path, tok):
@@ -167,11 +212,15 @@ def test_parquet_and_json_array_files(tmp_path, tok):
 
 
 def test_chat_template_wraps_prompt_only(tmp_path, tok):
-    tok.chat_template = ("{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
-                         "{% if add_generation_prompt %}={% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+        "{% if add_generation_prompt %}={% endif %}"
+    )
     path = _write(tmp_path, [{"input": "ab", "output": "ba"}])
     sample = ds.load_sft(path, tok, DataConfig(apply_chat_template=True))[0]
     text = tok.decode(sample["input_ids"], skip_special_tokens=True)
     assert text.endswith("ba") and "ab" in text and "=" in text
     n_prompt = sum(v == -100 for v in sample["labels"])
-    assert tok.decode(sample["input_ids"][:n_prompt]).endswith("=")  # template (with generation prompt) is masked
+    assert tok.decode(sample["input_ids"][:n_prompt]).endswith(
+        "="
+    )  # template (with generation prompt) is masked

@@ -5,41 +5,53 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 
 import pytest
 import torch
-
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-sys.path.insert(0, EXAMPLES)
 
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """Toy reversal data, a char tokenizer and a saved initial model (for DPO's reference)."""
-    from toy_task import make
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from strategy.demos.toy_task import make
     from strategy.trainers.recipe import hf_config
 
     root = tmp_path_factory.mktemp("toy")
     make(str(root / "data"), n_train=256, n_test=32)
     tok = AutoTokenizer.from_pretrained(str(root / "data" / "tokenizer"))
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", tok)).save_pretrained(root / "init")
+    AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", tok)).save_pretrained(
+        root / "init"
+    )
     tok.save_pretrained(root / "init")
     return root
 
 
 def _argv(stage: int, toy: str, name: str, dataset: str, **extra) -> list[str]:
-    args = {"zero_stage": stage, "micro_train_batch_size": 8, "train_batch_size": 32, "micro_eval_batch_size": 8,
-            "learning_rate": 2e-3, "lr_warmup_ratio": 0.0, "max_len": 16, "max_epochs": 2, "logging_steps": 1,
-            "tokenizer": f"{toy}/data/tokenizer", "model_config": "configs/tiny_llama.json",
-            "dataset": f"{toy}/data/{dataset}_train.jsonl".replace("sft_", ""),
-            "eval_dataset": f"{toy}/data/{dataset}_test.jsonl".replace("sft_", ""),
-            "save_path": f"{toy}/{stage}/{name}/model", "ckpt_path": f"{toy}/{stage}/{name}/ckpt",
-            "log_dir": f"{toy}/{stage}/{name}/logs", "ds_config_overrides": json.dumps(
-                {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if stage == 3 else {}), **extra}
+    args = {
+        "zero_stage": stage,
+        "micro_train_batch_size": 8,
+        "train_batch_size": 32,
+        "micro_eval_batch_size": 8,
+        "learning_rate": 2e-3,
+        "lr_warmup_ratio": 0.0,
+        "max_len": 16,
+        "max_epochs": 2,
+        "logging_steps": 1,
+        "tokenizer": f"{toy}/data/tokenizer",
+        "model_config": "configs/tiny_llama.json",
+        "dataset": f"{toy}/data/{dataset}_train.jsonl".replace("sft_", ""),
+        "eval_dataset": f"{toy}/data/{dataset}_test.jsonl".replace("sft_", ""),
+        "save_path": f"{toy}/{stage}/{name}/model",
+        "ckpt_path": f"{toy}/{stage}/{name}/ckpt",
+        "log_dir": f"{toy}/{stage}/{name}/logs",
+        "ds_config_overrides": json.dumps(
+            {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if stage == 3 else {}
+        ),
+        **extra,
+    }
     return [f"--{k}={v}" for k, v in args.items()]
 
 
@@ -56,27 +68,51 @@ def sft_and_rm(stage: int, toy: str) -> dict:
     run = Run.from_args(_argv(stage, toy, "sft", "sft", max_epochs=4, learning_rate=3e-3))
     model = run.model()
     train, held = run.loaders("sft")
-    batch = next(iter(train))  # response-only labels: prompt and padding are -100, the rest are the ids
+    batch = next(
+        iter(train)
+    )  # response-only labels: prompt and padding are -100, the rest are the ids
     resp = batch["labels"] != -100
     assert torch.equal(batch["labels"][resp], batch["input_ids"][resp])
     eq = run.tokenizer.convert_tokens_to_ids("=")
     for ids, lab in zip(batch["input_ids"], batch["labels"]):
         split = (ids == eq).nonzero()[0].item() + 1
-        assert (lab[:split] == -100).all() and (lab[split:] != -100).sum() == (ids[split:] != 0).sum()
-    sft = SFTTrainer(run.strategy, model, *run.optimizer_and_scheduler(model, train), train, held, run.train,
-                     run.tokenizer)
+        assert (lab[:split] == -100).all() and (lab[split:] != -100).sum() == (
+            ids[split:] != 0
+        ).sum()
+    sft = SFTTrainer(
+        run.strategy,
+        model,
+        *run.optimizer_and_scheduler(model, train),
+        train,
+        held,
+        run.train,
+        run.tokenizer,
+    )
     sft_eval = sft.fit()
     run.strategy.close()
 
     run = Run.from_args(_argv(stage, toy, "rm", "pairs"))
     model = run.model(AutoModelForSequenceClassification, num_labels=1)
     train, held = run.loaders("pairs")
-    rm = RewardModelTrainer(run.strategy, model, *run.optimizer_and_scheduler(model, train), train, held, run.train,
-                            run.tokenizer)
+    rm = RewardModelTrainer(
+        run.strategy,
+        model,
+        *run.optimizer_and_scheduler(model, train),
+        train,
+        held,
+        run.train,
+        run.tokenizer,
+    )
     rm_eval = rm.fit()
     direct = _direct_rm_accuracy(rm, f"{toy}/data/pairs_test.jsonl")
     run.strategy.close()
-    return {"sft": _losses(sft), "sft_eval": sft_eval, "rm": _losses(rm), "rm_eval": rm_eval, "rm_direct": direct}
+    return {
+        "sft": _losses(sft),
+        "sft_eval": sft_eval,
+        "rm": _losses(rm),
+        "rm_eval": rm_eval,
+        "rm_direct": direct,
+    }
 
 
 def _direct_rm_accuracy(trainer, path: str) -> float:
@@ -86,9 +122,18 @@ def _direct_rm_accuracy(trainer, path: str) -> float:
     trainer.model.eval()
     with torch.no_grad():
         for r in rows:
-            scores = [trainer.model(input_ids=tok(r["prompt"] + text + tok.eos_token, add_special_tokens=False,
-                                                  return_tensors="pt")["input_ids"]).logits[0, 0].item()
-                      for text in (r["chosen"], r["rejected"])]
+            scores = [
+                trainer.model(
+                    input_ids=tok(
+                        r["prompt"] + text + tok.eos_token,
+                        add_special_tokens=False,
+                        return_tensors="pt",
+                    )["input_ids"]
+                )
+                .logits[0, 0]
+                .item()
+                for text in (r["chosen"], r["rejected"])
+            ]
             wins += scores[0] > scores[1]
     return wins / len(rows)
 
@@ -111,21 +156,49 @@ def dpo_and_lora(stage: int, toy: str) -> dict:
     from strategy.trainers import DPOTrainer, SFTTrainer
     from strategy.trainers.recipe import Run
 
-    run = Run.from_args(_argv(stage, toy, "dpo", "pairs", pretrain=f"{toy}/init", learning_rate=1e-3))
+    run = Run.from_args(
+        _argv(stage, toy, "dpo", "pairs", pretrain=f"{toy}/init", learning_rate=1e-3)
+    )
     model, reference = run.model(), run.strategy.from_pretrained(f"{toy}/init")
     train, held = run.loaders("pairs")
-    dpo = DPOTrainer(run.strategy, model, reference, *run.optimizer_and_scheduler(model, train), train, held,
-                     run.train, run.tokenizer)
+    dpo = DPOTrainer(
+        run.strategy,
+        model,
+        reference,
+        *run.optimizer_and_scheduler(model, train),
+        train,
+        held,
+        run.train,
+        run.tokenizer,
+        dpo=run.dpo,
+    )
     dpo_eval = dpo.fit()
     run.strategy.close()
 
-    run = Run.from_args(_argv(stage, toy, "lora", "sft", pretrain=f"{toy}/init", lora_rank=8,
-                              target_modules="q_proj,v_proj", learning_rate=1e-2))
+    run = Run.from_args(
+        _argv(
+            stage,
+            toy,
+            "lora",
+            "sft",
+            pretrain=f"{toy}/init",
+            lora_rank=8,
+            target_modules="q_proj,v_proj",
+            learning_rate=1e-2,
+        )
+    )
     model = run.model()
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     train, held = run.loaders("sft")
-    lora = SFTTrainer(run.strategy, model, *run.optimizer_and_scheduler(model, train), train, held, run.train,
-                      run.tokenizer)
+    lora = SFTTrainer(
+        run.strategy,
+        model,
+        *run.optimizer_and_scheduler(model, train),
+        train,
+        held,
+        run.train,
+        run.tokenizer,
+    )
     lora.fit()
     run.strategy.close()
     return {"dpo": dpo.history, "dpo_eval": dpo_eval, "lora": _losses(lora), "trainable": trainable}
@@ -136,7 +209,9 @@ def test_dpo_and_lora_sft_learn(ranks, toy, stage):
     out = ranks.run(dpo_and_lora, stage, str(toy))[0]
     first, dpo = out["dpo"][0], [r["loss"] for r in out["dpo"]]
     # step 1: policy == reference, so every logit is 0: loss log 2, zero rewards (exact, fp32)
-    assert first["loss"] == pytest.approx(math.log(2), abs=1e-5) and abs(first["reward_margin"]) < 1e-5
+    assert (
+        first["loss"] == pytest.approx(math.log(2), abs=1e-5) and abs(first["reward_margin"]) < 1e-5
+    )
     assert sum(dpo[-3:]) / 3 < 0.8 * math.log(2), f"DPO loss did not fall: {dpo}"
     assert out["dpo_eval"]["reward_accuracy"] > 0.6 and out["dpo_eval"]["reward_margin"] > 0
     assert out["trainable"] and all("lora_" in n for n in out["trainable"])
@@ -145,10 +220,10 @@ def test_dpo_and_lora_sft_learn(ranks, toy, stage):
 
 
 def custom_subclass(toy: str) -> dict:
-    import custom_trainer
+    from tests.support.helpers import load_example
 
     argv = _argv(2, toy, "custom", "sft", z_loss=0.01, max_epochs=1)
-    return custom_trainer.main(argv)
+    return load_example("custom_trainer")(argv)
 
 
 def test_subclass_overrides_loss_hook(ranks, toy):
@@ -156,4 +231,6 @@ def test_subclass_overrides_loss_hook(ranks, toy):
     assert final["z"] > 0 and final["response_loss"] > 0  # eval ran the subclass's hook
     rows = [json.loads(line) for line in open(toy / "2" / "custom" / "logs" / "metrics.jsonl")]
     train = [r for r in rows if "train/z" in r]
-    assert train and all(r["train/loss"] > r["train/response_loss"] for r in train)  # z-loss was added
+    assert train and all(
+        r["train/loss"] > r["train/response_loss"] for r in train
+    )  # z-loss was added

@@ -1,55 +1,58 @@
-"""Trainer-side configs: the loop's cadences and paths, the data, and LoRA."""
+"""Trainer-side configs: the model source, the loop's length, cadences and outputs, the data,
+LoRA, and each algorithm's own knobs (DPO). All validate on construction."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from strategy.config import doc, fail
+from strategy.config.fields import check_positive, check_steps, doc
+from strategy.errors import fail
+
+OVERLONG = ("truncate", "drop", "error")
 
 
-@dataclass
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where the model and tokenizer come from."""
+
+    pretrain: str | None = doc("HF model directory or name to fine-tune (None: build from "
+                               "--model_config)", None)
+    model_config: str | None = doc("JSON file of an HF config to build a fresh model from "
+                                   "(tiny toy runs)", None)
+    tokenizer: str | None = doc("tokenizer directory (default: --pretrain)", None)
+
+    def __post_init__(self) -> None:
+        if self.pretrain is None and self.model_config is None:
+            fail("pretrain", None, "set --pretrain MODEL_DIR, or --model_config config.json to "
+                 "train from scratch")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """The training loop: length, cadences, outputs, resume."""
 
-    pretrain: str | None = doc("HF model directory or name to fine-tune (None: build from --model_config)", None)
-    model_config: str | None = doc("JSON file of an HF config to build a fresh model from (tiny toy runs)", None)
-    tokenizer: str | None = doc("tokenizer directory (default: --pretrain)", None)
     max_epochs: int = doc("passes over the training data", 1)
     max_steps: int = doc("stop after this many optimizer steps (-1: run all epochs)", -1)
     logging_steps: int = doc("log loss/lr/grad-norm every N optimizer steps", 1)
     eval_steps: int = doc("evaluate every N optimizer steps (-1: only at the end of training)", -1)
-    save_steps: int = doc("save a resume checkpoint every N optimizer steps (-1: never mid-run)", -1)
+    save_steps: int = doc("save a resume checkpoint every N optimizer steps (-1: never mid-run)",
+                          -1)
     save_path: str = doc("directory of the final Hugging Face export", "./outputs/model")
-    ckpt_path: str = doc("directory of resume checkpoints", "./outputs/ckpt")
     save_hf_ckpt: bool = doc("also export an HF model beside each resume checkpoint", False)
-    max_ckpt_num: int = doc("keep at most N resume checkpoints", 3)
-    max_ckpt_mem: float = doc("keep at most this many GB of checkpoints (HF exports beside them included)", 1000.0)
-    load_checkpoint: bool = doc("resume from the newest complete checkpoint in --ckpt_path if there is one", False)
-    log_dir: str | None = doc("TensorBoard events and metrics.jsonl go here (None: no logs)", "./outputs/logs")
-    use_wandb: bool = doc("also log to Weights & Biases (offline unless WANDB_MODE says otherwise)", False)
+    load_checkpoint: bool = doc("resume from the newest complete checkpoint in --ckpt_path if "
+                                "there is one", False)
+    log_dir: str | None = doc("TensorBoard events and metrics.jsonl go here (None: no logs)",
+                              "./outputs/logs")
+    use_wandb: bool = doc("also log to Weights & Biases (offline unless WANDB_MODE says otherwise)",
+                          False)
     max_shard_size: str = doc("largest safetensors shard of an export, e.g. 5GB or 500MB", "5GB")
-    beta: float = doc("DPO: strength of the KL penalty to the reference model", 0.1)
-    label_smoothing: float = doc("DPO: probability that a preference label is flipped (conservative DPO)", 0.0)
-    nll_loss_coef: float = doc("DPO: weight of an extra NLL loss on the chosen response", 0.0)
 
-    def validate(self) -> None:
-        for name in ("max_epochs", "logging_steps", "max_ckpt_num"):
-            if getattr(self, name) < 1:
-                fail(name, getattr(self, name), "use a positive integer")
-        for name in ("eval_steps", "save_steps", "max_steps"):
-            if getattr(self, name) == 0 or getattr(self, name) < -1:
-                fail(name, getattr(self, name), "use a positive number of steps, or -1")
-        if self.max_ckpt_mem <= 0:
-            fail("max_ckpt_mem", self.max_ckpt_mem, "use a positive number of GB")
-        if self.beta <= 0:
-            fail("beta", self.beta, "use a positive DPO beta, e.g. 0.1")
-        if not 0 <= self.label_smoothing < 0.5:
-            fail("label_smoothing", self.label_smoothing, "use a value in [0, 0.5)")
-        if self.pretrain is None and self.model_config is None:
-            fail("pretrain", None, "set --pretrain MODEL_DIR, or --model_config config.json to train from scratch")
+    def __post_init__(self) -> None:
+        check_positive(self, "max_epochs", "logging_steps")
+        check_steps(self, "eval_steps", "save_steps", "max_steps")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """Where samples come from and how they become token ids."""
 
@@ -62,21 +65,23 @@ class DataConfig:
     rejected_key: str = doc("RM/DPO: field holding the rejected response", "rejected")
     apply_chat_template: bool = doc("wrap prompts in the tokenizer's chat template", False)
     max_len: int = doc("longest sample in tokens", 512)
-    overlong: str = doc("a sample longer than max_len: 'truncate', 'drop' (counted) or 'error'", "truncate")
-    skip_bad_rows: bool = doc("skip (and count) rows with missing keys or empty text instead of failing", False)
+    overlong: str = doc("a sample longer than max_len: 'truncate', 'drop' (counted) or 'error'",
+                        "truncate")
+    skip_bad_rows: bool = doc("skip (and count) rows with missing keys or empty text instead of "
+                              "failing", False)
     max_samples: int = doc("use at most N training samples (-1: all)", -1)
     packing_samples: bool = doc("SFT: pack several short samples into one max_len row", False)
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if self.max_len < 2:
             fail("max_len", self.max_len, "use at least 2 tokens")
-        if self.overlong not in ("truncate", "drop", "error"):
+        if self.overlong not in OVERLONG:
             fail("overlong", self.overlong, "use truncate, drop or error")
         if self.max_samples == 0 or self.max_samples < -1:
             fail("max_samples", self.max_samples, "use a positive count, or -1 for all")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoraConfig:
     """Low-rank adapters through peft (off when lora_rank is 0)."""
 
@@ -85,10 +90,29 @@ class LoraConfig:
     lora_dropout: float = doc("dropout on the adapter input", 0.0)
     target_modules: str = doc("comma-separated module names to adapt, or all-linear", "all-linear")
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if self.lora_rank < 0:
             fail("lora_rank", self.lora_rank, "use 0 (no LoRA) or a positive rank")
         if not 0 <= self.lora_dropout < 1:
             fail("lora_dropout", self.lora_dropout, "use a probability in [0, 1)")
         if self.lora_rank and not self.target_modules.strip():
-            fail("target_modules", self.target_modules, "name modules, e.g. q_proj,v_proj, or all-linear")
+            fail("target_modules", self.target_modules, "name modules, e.g. q_proj,v_proj, or "
+                 "all-linear")
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    """Direct preference optimization."""
+
+    beta: float = doc("DPO: strength of the KL penalty to the reference model", 0.1)
+    label_smoothing: float = doc("DPO: probability that a preference label is flipped "
+                                 "(conservative DPO)", 0.0)
+    nll_loss_coef: float = doc("DPO: weight of an extra NLL loss on the chosen response", 0.0)
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            fail("beta", self.beta, "use a positive DPO beta, e.g. 0.1")
+        if not 0 <= self.label_smoothing < 0.5:
+            fail("label_smoothing", self.label_smoothing, "use a value in [0, 0.5)")
+        if self.nll_loss_coef < 0:
+            fail("nll_loss_coef", self.nll_loss_coef, "use a weight >= 0")

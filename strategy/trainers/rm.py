@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from strategy.trainers.base import Trainer
+from strategy.trainers.loop import Trainer
+from strategy.trainers.losses import pairwise_metrics
 
-
-def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """The Bradley-Terry loss and how often the chosen response scores higher."""
-    loss = -F.logsigmoid(chosen - rejected).mean()
-    return loss, {"accuracy": (chosen > rejected).float().mean().item(),
-                  "reward_margin": (chosen - rejected).mean().item()}
+__all__ = ["RewardModelTrainer", "pairwise_metrics"]
 
 
 class RewardModelTrainer(Trainer):
-    """``AutoModelForSequenceClassification(num_labels=1)`` on pairs collated chosen-then-rejected."""
+    """``AutoModelForSequenceClassification(num_labels=1)`` on pairs collated
+    chosen-then-rejected."""
 
     def rewards(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+        scores = self.model(input_ids=batch["input_ids"],
+                            attention_mask=batch["attention_mask"]).logits[:, 0]
         half = scores.shape[0] // 2
         return scores[:half].float(), scores[half:].float()
 

@@ -1,10 +1,11 @@
-"""One rank that resumes from CKPT_DIR, checks the checkpoint it got, then trains and saves in a loop
-(the kill test in tests/test_checkpoint.py SIGKILLs it mid-save).
+"""One rank that resumes from CKPT_DIR, checks the checkpoint it got, then trains and saves in a
+loop (the kill test in tests/test_checkpoint.py SIGKILLs it mid-save).
 
     RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 \
         python tests/scripts/ckpt_worker.py CKPT_DIR [MAX_SAVES]
 
-Prints ``RESUMED <step>``, then ``SAVING <step>`` / ``SAVED <step> <seconds>`` per save, ``DONE`` at the end.
+Prints ``RESUMED <step>``, then ``SAVING <step>`` / ``SAVED <step> <seconds>`` per save, ``DONE``
+at the end.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 
 def weights_digest(engine) -> str:
-    from tests.helpers import gathered_state
+    from tests.support.helpers import gathered_state
 
     state = gathered_state(engine)
     h = hashlib.sha1()
@@ -30,20 +31,30 @@ def weights_digest(engine) -> str:
 def main(ckpt_dir: str, max_saves: int) -> None:
     from transformers import LlamaConfig
 
-    from tests.helpers import make_strategy
-    from tests.models import VOCAB, token_batches
+    from tests.support.helpers import make_strategy
+    from tests.support.models import VOCAB, token_batches
 
     s = make_strategy(2, micro=2, total=2)
-    # big enough that a save takes a while (~40 MB of weights and Adam states), so kills land inside it
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    # big enough that a save takes a while (~40 MB of weights and Adam states), so kills land inside
+    # it
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = s.from_pretrained(config)
     opt = s.create_optimizer(model)
     engine = s.prepare((model, opt, s.create_scheduler(opt, num_training_steps=10**6)))
     path, state = s.load_ckpt(engine, ckpt_dir)
     if path is not None:
         assert state["step"] == engine.global_steps, (state, engine.global_steps)
-        assert state["digest"] == weights_digest(engine), f"weights loaded from {path} are not the saved ones"
+        assert state["digest"] == weights_digest(engine), (
+            f"weights loaded from {path} are not the saved ones"
+        )
     print(f"RESUMED {engine.global_steps}", flush=True)
     batches = token_batches(4, 2)
     for _ in range(max_saves):

@@ -1,6 +1,7 @@
 """SFT on toy data with an injected fault on one rank at one step (for the fault tests).
 
-torchrun --nproc_per_node 2 tests/scripts/fault_train.py --fault raise --fault_rank 1 --fault_step 3 [SFT flags]
+torchrun --nproc_per_node 2 tests/scripts/fault_train.py --fault raise --fault_rank 1 \
+    --fault_step 3 [SFT flags]
 """
 
 import argparse
@@ -23,8 +24,9 @@ class FaultySFT(SFTTrainer):
                 raise ValueError(f"injected failure on rank {self.fault_rank}")
             if self.fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-        if self.global_step + 1 >= self.fault_step and self.fault == "nan":
-            loss = loss * torch.tensor(float("nan"))
+        on_fault_rank = self.strategy.rank == self.fault_rank
+        if self.global_step + 1 >= self.fault_step and self.fault == "nan" and on_fault_rank:
+            loss = loss * torch.tensor(float("nan"))  # one rank only: the others must stop too
         return loss, metrics
 
 
@@ -33,12 +35,12 @@ def main() -> None:
     parser.add_argument("--fault", default="none", choices=["none", "raise", "kill", "nan"])
     parser.add_argument("--fault_rank", type=int, default=1)
     parser.add_argument("--fault_step", type=int, default=3)
-    run = Run.from_args(None, parser)
-    trainer = run.trainer(FaultySFT, run.model())
-    trainer.fault, trainer.fault_rank, trainer.fault_step = run.args.fault, run.args.fault_rank, run.args.fault_step
-    trainer.fit()
-    run.strategy.print(f"DONE step={trainer.global_step}")
-    run.strategy.close()
+    with Run.from_args(None, parser) as run:
+        trainer = run.trainer(FaultySFT, run.model())
+        trainer.fault, trainer.fault_rank = run.args.fault, run.args.fault_rank
+        trainer.fault_step = run.args.fault_step
+        trainer.fit()
+        run.strategy.print(f"DONE step={trainer.global_step}")
 
 
 if __name__ == "__main__":

@@ -10,14 +10,23 @@ import os
 import torch
 
 from strategy import DeepSpeedStrategy, OptimConfig, StrategyConfig, parse_configs
-from strategy.dist import shm_buffer_path
-from tests.models import tiny_llama, token_batches
+from strategy.internals import shm_allreduce_buffer_path
+from tests.support.models import tiny_llama, token_batches
 
 
 def main() -> None:
-    (cfg, optim), _ = parse_configs([StrategyConfig, OptimConfig],
-                                    ["--micro_train_batch_size", "2", "--train_batch_size", "4",
-                                     "--learning_rate", "1e-2", *os.sys.argv[1:]])
+    (cfg, optim), _ = parse_configs(
+        [StrategyConfig, OptimConfig],
+        [
+            "--micro_train_batch_size",
+            "2",
+            "--train_batch_size",
+            "4",
+            "--learning_rate",
+            "1e-2",
+            *os.sys.argv[1:],
+        ],
+    )
     s = DeepSpeedStrategy(cfg, optim)
     s.setup_distributed(timeout=120)
     model = s.from_pretrained(tiny_llama())
@@ -29,9 +38,12 @@ def main() -> None:
         s.backward(loss, engine)
         s.optimizer_step(engine)
     mean = s.all_reduce(loss.item())
-    shm_left = os.path.exists(shm_buffer_path())
-    print(f"RESULT rank={s.rank} world={s.world_size} stage={engine.zero_optimization_stage()} "
-          f"loss={mean:.6f} shm_left={shm_left} threads={torch.get_num_threads()}", flush=True)
+    shm_left = os.path.exists(shm_allreduce_buffer_path(int(os.environ.get("RANK", 0))))
+    print(
+        f"RESULT rank={s.rank} world={s.world_size} stage={engine.zero_optimization_stage()} "
+        f"loss={mean:.6f} shm_left={shm_left} threads={torch.get_num_threads()}",
+        flush=True,
+    )
     s.close()
 
 

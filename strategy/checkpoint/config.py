@@ -1,0 +1,42 @@
+"""``CheckpointConfig``: where resume checkpoints go and which of them are kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strategy.config.fields import doc
+from strategy.errors import fail
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Resume checkpoints and their retention; validated on construction. A checkpoint is deleted
+    (oldest first) while more than ``max_ckpt_num`` or ``max_ckpt_mem`` GB remain, except the
+    newest and the ``keep_best_ckpt`` best by ``best_metric``."""
+
+    ckpt_path: str = doc("directory of resume checkpoints", "./outputs/ckpt")
+    max_ckpt_num: int = doc("keep at most N resume checkpoints", 3)
+    max_ckpt_mem: float = doc("keep at most this many GB of checkpoints (HF exports beside them "
+                              "included)", 1000.0)
+    keep_best_ckpt: int = doc("also keep the K checkpoints with the best eval metric (0: off)", 0)
+    best_metric: str = doc("eval metric that ranks checkpoints for keep_best_ckpt, e.g. loss",
+                           "loss")
+    best_metric_higher: bool = doc("a higher best_metric is better (accuracy); "
+                                   "default lower (loss)", False)
+
+    def __post_init__(self) -> None:
+        validate_limits(self.max_ckpt_num, self.max_ckpt_mem, self.keep_best_ckpt,
+                        ("max_ckpt_num", "max_ckpt_mem", "keep_best_ckpt"))
+        if not self.best_metric:
+            fail("best_metric", self.best_metric, "name an eval metric, e.g. loss or accuracy")
+
+
+def validate_limits(max_num: int, max_mem: float, keep_best: int,
+                    names: tuple[str, str, str] = ("max_num", "max_mem", "keep_best")) -> None:
+    """Retention limits, named as the caller calls them."""
+    if not isinstance(max_num, int) or max_num < 1:
+        fail(names[0], max_num, "keep at least 1 checkpoint, e.g. 3")
+    if max_mem <= 0:
+        fail(names[1], max_mem, "use a positive size in GB, e.g. 1000")
+    if not isinstance(keep_best, int) or keep_best < 0:
+        fail(names[2], keep_best, "use 0 (off) or the number of best checkpoints to keep")

@@ -1,0 +1,86 @@
+"""Loading resume checkpoints: every rank loads the checkpoint rank 0 picked, through
+``weights_only`` loads; a checkpoint from another world size goes through DeepSpeed's universal
+format (converted once, on rank 0)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+from strategy import dist
+from strategy.checkpoint.layout import META, UNIVERSAL, read_meta
+from strategy.checkpoint.progress import ResumeState, progress, sampler_of
+from strategy.checkpoint.rng_state import restore_rng
+from strategy.checkpoint.safe_load import verify_torch_files, weights_only_loads
+from strategy.checkpoint.save import CLIENT_KEY
+from strategy.checkpoint.tags import resolve_tag
+from strategy.errors import CheckpointFileError
+from strategy.internals import convert_to_universal, universal_checkpoint_loading
+
+
+def ensure_universal(ckpt_dir: str) -> str:
+    """Rank 0: convert ``ckpt_dir`` with DeepSpeed's ``ds_to_universal`` once; returns its dir."""
+    out = os.path.join(ckpt_dir, UNIVERSAL)
+    if os.path.isfile(os.path.join(out, META)):
+        return out
+    tmp = f"{out}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    convert_to_universal(ckpt_dir, tmp)
+    shutil.copy2(os.path.join(ckpt_dir, META), os.path.join(tmp, META))  # marks it complete
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    leftover = os.path.join(ckpt_dir, "latest_universal")
+    if os.path.isfile(leftover):
+        os.unlink(leftover)
+    return out
+
+
+def _load_universal(engine: Any, ckpt_dir: str, meta: dict, **kw: Any) -> tuple[Any, dict]:
+    dist.on_rank_0(ensure_universal, ckpt_dir)
+    with universal_checkpoint_loading(engine):
+        path, state = engine.load_checkpoint(ckpt_dir, UNIVERSAL, **kw)
+    # DeepSpeed's ZeRO-3 universal load copies group 0's hyperparameters to every group
+    groups = getattr(engine.optimizer, "param_groups", None) or []
+    for group, saved in zip(groups, meta.get("param_groups") or [], strict=False):
+        group.update({key: tuple(value) if isinstance(value, list) else value
+                      for key, value in saved.items() if key != "lr"})
+    return path, state
+
+
+def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    dataloader: Any = None, universal: bool | None = None,
+                    ) -> tuple[str | None, dict, ResumeState | None]:
+    """Load on every rank (collective). Returns the checkpoint directory (None: nothing to
+    resume), the caller's client_state and the :class:`ResumeState`. ``universal`` forces (True)
+    or forbids (False) the universal conversion; by default it is used when the world size
+    changed."""
+    tag = dist.on_rank_0(resolve_tag, load_dir, tag)  # every rank loads what rank 0 found
+    if tag is None:
+        return None, {}, None
+    ckpt_dir = os.path.join(load_dir, tag)
+    meta = read_meta(ckpt_dir)
+    kw = {"load_optimizer_states": load_optimizer_states,
+          "load_lr_scheduler_states": load_lr_scheduler_states}
+    if universal is None:
+        universal = meta["world_size"] != dist.get_world_size() and meta["zero_stage"] > 0
+    verify_torch_files(ckpt_dir)
+    with weights_only_loads():
+        if universal:
+            path, state = _load_universal(engine, ckpt_dir, meta, **kw)
+        else:
+            path, state = engine.load_checkpoint(load_dir, tag, **kw)
+    if path is None:
+        raise CheckpointFileError(f"load_dir={load_dir!r}: DeepSpeed could not load tag {tag!r}; "
+                                  f"check {ckpt_dir}")
+    position = progress(engine, dataloader)  # in this run's loader (the world size may differ)
+    if dataloader is not None:
+        sampler_of(dataloader).load_state_dict({"epoch": position["epoch"],
+                                                "consumed": position["epoch_consumed"]})
+    if not restore_rng(ckpt_dir, dist.get_rank()):
+        print(f"[rank {dist.get_rank()}] {ckpt_dir} has no RNG state for this rank (saved at "
+              f"{meta['world_size']} ranks); its RNG streams continue from the seed", flush=True)
+    resume = ResumeState(tag, position["global_step"], position["consumed_samples"],
+                         position["epoch"], position["epoch_consumed"])
+    return ckpt_dir, dict((state or {}).get(CLIENT_KEY, {})), resume

@@ -1,0 +1,114 @@
+"""Saving resume checkpoints on DeepSpeed's ``save_checkpoint``, crash-safely.
+
+What an exact resume needs travels inside: step, consumed samples, every RNG (one
+``rng_state_<rank>.safetensors`` per rank), the scheduler, and the caller's ``client_state``. A
+save is written under ``<save_dir>/.incomplete/<tag>`` and published into ``<save_dir>/<tag>`` by
+rank 0 only after every rank finished (a re-saved tag keeps its old directory until the new one
+is whole), then ``latest`` is replaced atomically: a killed save never becomes the one
+``load_checkpoint`` picks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any, Callable
+
+from strategy import dist
+from strategy.atomic_fs import publish_dir, write_file, write_json
+from strategy.checkpoint.config import validate_limits
+from strategy.checkpoint.layout import LATEST, META, STAGING
+from strategy.checkpoint.progress import check_boundary, progress
+from strategy.checkpoint.retention import apply_retention
+from strategy.checkpoint.rng_state import capture_rng, save_rng
+from strategy.checkpoint.tags import validate_tag
+from strategy.errors import SaveError
+from strategy.internals import engine_counters
+
+CLIENT_KEY = "strategy_client_state"  # the caller's client_state, apart from DeepSpeed's own keys
+
+
+def _param_groups(engine: Any) -> list[dict]:
+    """Per-group hyperparameters (JSON-safe); ZeRO-3 universal loading copies group 0's to all."""
+    groups = getattr(engine.optimizer, "param_groups", None) or []
+    plain = (int, float, bool, str, type(None))
+    return [{key: list(value) if isinstance(value, tuple) else value
+             for key, value in group.items()
+             if key not in ("params", "names") and isinstance(value, (*plain, tuple))}
+            for group in groups]
+
+
+def publish(save_dir: str, staged: str, tag: str, meta: dict) -> str:
+    """Rank 0: mark the staged checkpoint complete, move it into place, point ``latest`` at it."""
+    write_json(os.path.join(staged, META), meta)
+    staging = os.path.dirname(staged)
+    for name in os.listdir(staging):  # DeepSpeed drops zero_to_fp32.py beside its tags: keep it
+        if os.path.isfile(os.path.join(staging, name)):
+            os.replace(os.path.join(staging, name), os.path.join(save_dir, name))
+    final = os.path.join(save_dir, tag)
+    publish_dir(staged, final)
+    write_file(os.path.join(save_dir, LATEST), tag)
+    return final
+
+
+def _reset_staging(staging: str) -> None:
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging, exist_ok=True)
+
+
+def _failure(save_dir: str, tag: str) -> Callable[[int, str], SaveError]:
+    def make(rank: int, message: str) -> SaveError:
+        return SaveError(f"saving checkpoint {tag!r} to {save_dir} failed on rank {rank} "
+                         f"({message}); free disk space and save again: earlier checkpoints are "
+                         "intact and load_ckpt still picks the newest of them")
+    return make
+
+
+def _free_bytes(path: str) -> str:
+    return f"; {shutil.disk_usage(path).free if os.path.isdir(path) else -1} bytes free"
+
+
+def _write_files(engine: Any, staging: str, tag: str, client_state: dict | None, rng) -> None:
+    """Every rank writes its own files; a failure comes before DeepSpeed's closing barrier, so the
+    failed rank meets the others there before the error is shared."""
+    try:
+        engine.save_checkpoint(staging, tag, client_state={CLIENT_KEY: dict(client_state or {})},
+                               save_latest=False)
+    except Exception:
+        dist.barrier()
+        raise
+    save_rng(rng, os.path.join(staging, tag), dist.get_rank())
+
+
+def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None,
+                    client_state: dict | None = None, max_num: int = 3, max_mem: float = 1000,
+                    metric: float | None = None, keep_best: int = 0, higher_is_better: bool = False,
+                    write_metadata: Callable[[str], None] | None = None) -> str:
+    """Save on every rank (collective); returns the checkpoint's directory. ``write_metadata(dir)``
+    runs on rank 0 before publishing (the facade writes the model's config.json there)."""
+    rng = capture_rng()  # before anything here could draw a random number
+    tag = validate_tag(f"global_step{engine_counters(engine)[0]}" if tag is None else tag)
+    validate_limits(max_num, max_mem, keep_best)
+    check_boundary(engine)
+    staging = os.path.join(save_dir, STAGING)
+    dist.on_rank_0(_reset_staging, staging)  # drops what a killed save left
+    error, detail = None, ""
+    try:
+        _write_files(engine, staging, tag, client_state, rng)
+    except Exception as exc:  # noqa: BLE001 - shared with every rank below
+        error, detail = exc, _free_bytes(save_dir)
+    dist.raise_if_any_failed(error, _failure(save_dir, tag), detail)  # also the barrier
+    staged = os.path.join(staging, tag)
+    if write_metadata is not None:
+        dist.on_rank_0(write_metadata, staged)
+    meta = {"format": 1, "tag": tag, "saved_at": time.time(), "world_size": dist.get_world_size(),
+            "zero_stage": int(engine.zero_optimization_stage()),
+            "metric": None if metric is None else float(metric),
+            "param_groups": _param_groups(engine), **progress(engine)}
+    final = dist.on_rank_0(publish, save_dir, staged, tag, meta)
+    deleted = dist.on_rank_0(apply_retention, save_dir, max_num, max_mem, keep_best,
+                             higher_is_better)
+    if deleted:
+        dist.print0(f"checkpoint retention deleted {deleted} from {save_dir}")
+    return final

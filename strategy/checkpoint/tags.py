@@ -1,0 +1,50 @@
+"""Checkpoint tags: which names are allowed, and which checkpoint to load (``resolve_tag``, shared
+by ``load_ckpt`` and the offline export)."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from strategy.checkpoint.layout import HF_SUFFIX, LATEST, complete_tags, read_meta
+from strategy.errors import fail
+
+_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]{0,199}")
+RESERVED = (LATEST, "latest_universal")
+
+
+def validate_tag(tag: Any) -> str:
+    """A tag is one plain path component, so it cannot escape ``save_dir``."""
+    tag = str(tag)
+    if not _TAG.fullmatch(tag):
+        fail("tag", tag, "use letters, digits and _ . + = - only, starting with a letter or digit "
+             "(one directory name inside save_dir)")
+    if tag in RESERVED or tag.endswith(HF_SUFFIX):
+        fail("tag", tag, f"'latest', 'latest_universal' and names ending in {HF_SUFFIX!r} are "
+             "reserved; pick another")
+    return tag
+
+
+def _read_latest(load_dir: str) -> str | None:
+    try:
+        with open(os.path.join(load_dir, LATEST)) as fh:
+            return fh.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def resolve_tag(load_dir: str, tag: str | None) -> str | None:
+    """The complete checkpoint to load: ``tag`` (it must be complete), else the one ``latest``
+    names if complete, else the newest complete one; None when ``load_dir`` holds none."""
+    if tag is not None:
+        tag = validate_tag(tag)
+        if read_meta(os.path.join(load_dir, tag)) is None:
+            fail("tag", tag, f"{load_dir} holds no complete checkpoint of that name; use one of "
+                 f"{complete_tags(load_dir)}")
+        return tag
+    latest = _read_latest(load_dir)
+    if latest and _TAG.fullmatch(latest) and read_meta(os.path.join(load_dir, latest)) is not None:
+        return latest
+    done = complete_tags(load_dir)
+    return done[-1] if done else None

@@ -1,0 +1,37 @@
+"""Helpers every config dataclass uses: a field with its one-line help, and common checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from strategy.errors import fail
+
+
+def doc(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """A dataclass field with a one-line help text (shown by ``--help``)."""
+    if isinstance(default, (dict, list)):
+        return dataclasses.field(default_factory=lambda: type(default)(default),
+                                 metadata={"help": text}, **kw)
+    return dataclasses.field(default=default, metadata={"help": text}, **kw)
+
+
+def check_positive(config: Any, *names: str) -> None:
+    """Each named integer field is at least 1."""
+    for name in names:
+        if getattr(config, name) < 1:
+            fail(name, getattr(config, name), "use a positive integer")
+
+
+def check_steps(config: Any, *names: str) -> None:
+    """Each named field is a positive number of steps, or -1 (off)."""
+    for name in names:
+        value = getattr(config, name)
+        if value == 0 or value < -1:
+            fail(name, value, "use a positive number of steps, or -1")
+
+
+def check_fraction(config: Any, name: str, low: float = 0.0, high: float = 1.0) -> None:
+    value = getattr(config, name)
+    if not low <= value <= high:
+        fail(name, value, f"use a value in [{low}, {high}]")

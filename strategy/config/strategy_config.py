@@ -1,0 +1,98 @@
+"""``StrategyConfig``: ranks, ZeRO, offload, precision, parallelism and batch sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strategy.config.ds_keys import check_overrides
+from strategy.config.fields import check_positive, doc
+from strategy.errors import fail
+
+GRAD_ACCUM_DTYPES = (None, "fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """Everything about ranks, ZeRO, offload and precision. Validated on construction; checks that
+    need the number of ranks run in ``validate_world`` (from ``setup_distributed``)."""
+
+    seed: int = doc("seed for Python, NumPy and torch on every rank", 42)
+    zero_stage: int = doc("ZeRO stage: 0 (DDP), 1 (optimizer), 2 (+gradients), 3 (+parameters)", 2)
+    bf16: bool = doc("train in bfloat16 with fp32 master weights", False)
+    fp16: bool = doc("train in float16 with dynamic loss scaling", False)
+    adam_offload: bool = doc("keep optimizer states on CPU, step with DeepSpeedCPUAdam (ZeRO >= 1)",
+                             False)
+    offload_ratio: float = doc("share of optimizer states ZeRO-3 offloads "
+                               "(offload_optimizer.ratio)", 1.0)
+    param_offload: bool = doc("keep parameters on CPU between uses (ZeRO-3 only)", False)
+    micro_train_batch_size: int = doc("samples per rank per forward/backward", 8)
+    train_batch_size: int = doc("global samples per optimizer step (micro x accumulation x "
+                                "data-parallel ranks)", 128)
+    micro_eval_batch_size: int = doc("samples per rank per eval forward", 8)
+    max_norm: float = doc("gradient clipping norm; 0 disables clipping", 1.0)
+    gradient_checkpointing: bool = doc("recompute activations in backward to save memory", False)
+    zpg: int = doc("ZeRO++ hierarchical partition size (hpZ); 1 disables", 1)
+    grad_accum_dtype: str | None = doc("dtype gradients accumulate in: fp32, bf16 or fp16 "
+                                       "(default: DeepSpeed's)", None)
+    overlap_comm: bool = doc("overlap gradient reduction with backward", False)
+    timeout_minutes: float = doc("a collective waiting longer than this fails "
+                                 "(a hung or lost rank)", 30.0)
+    ds_config_overrides: dict = doc("dict deep-merged last into the DeepSpeed config", {})
+
+    def __post_init__(self) -> None:
+        self._check_precision_and_sizes()
+        self._check_offload()
+        if self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+            fail("grad_accum_dtype", self.grad_accum_dtype, "use fp32, bf16 or fp16")
+        if not isinstance(self.ds_config_overrides, dict):
+            fail("ds_config_overrides", self.ds_config_overrides,
+                 "use a mapping, e.g. {steps_per_print: 10}")
+        check_overrides(self.ds_config_overrides)
+
+    def _check_precision_and_sizes(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            fail("zero_stage", self.zero_stage, "use 0, 1, 2 or 3")
+        if self.bf16 and self.fp16:
+            fail("fp16", self.fp16, "bf16 and fp16 are exclusive; set only one of --bf16/--fp16")
+        check_positive(self, "micro_train_batch_size", "train_batch_size", "micro_eval_batch_size",
+                       "zpg")
+        if self.train_batch_size % self.micro_train_batch_size:
+            fail("train_batch_size", self.train_batch_size,
+                 f"must be a multiple of micro_train_batch_size={self.micro_train_batch_size}")
+        if self.timeout_minutes <= 0:
+            fail("timeout_minutes", self.timeout_minutes,
+                 "use a positive number of minutes, e.g. 30")
+        if self.max_norm < 0:
+            fail("max_norm", self.max_norm, "use 0 (no clipping) or a positive norm")
+
+    def _check_offload(self) -> None:
+        if self.adam_offload and self.zero_stage == 0:
+            fail("adam_offload", True, "optimizer offload needs ZeRO; set --zero_stage 1, 2 or 3")
+        if not 0 < self.offload_ratio <= 1:
+            fail("offload_ratio", self.offload_ratio,
+                 "use a fraction in (0, 1]; 1.0 offloads every optimizer state")
+        if self.offload_ratio < 1 and (self.zero_stage != 3 or not self.adam_offload):
+            fail("offload_ratio", self.offload_ratio, "partial offload runs only with ZeRO-3 and "
+                 "optimizer offload; set --zero_stage 3 --adam_offload, or offload_ratio 1.0")
+        if self.param_offload and self.zero_stage != 3:
+            fail("param_offload", True,
+                 f"parameter offload needs ZeRO-3, got zero_stage={self.zero_stage}")
+
+    # ------------------------------------------------------------ rank arithmetic
+    def data_parallel_size(self, world_size: int) -> int:
+        """Ranks that see different data."""
+        return world_size
+
+    def validate_world(self, world_size: int) -> None:
+        """Checks that need the number of ranks (known from the launcher's env before init)."""
+        dp = self.data_parallel_size(world_size)
+        per_step = self.micro_train_batch_size * dp
+        if self.train_batch_size % per_step:
+            fail("train_batch_size", self.train_batch_size,
+                 f"must be a multiple of micro_train_batch_size x data-parallel ranks = "
+                 f"{self.micro_train_batch_size} x {dp} = {per_step}")
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches each rank runs per optimizer step."""
+        per_step = self.micro_train_batch_size * self.data_parallel_size(world_size)
+        return self.train_batch_size // per_step

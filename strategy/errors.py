@@ -1,0 +1,47 @@
+"""The errors this package raises: one base class, each specific error also the builtin it replaces.
+
+``except StrategyError`` catches anything we raise on purpose; ``except ValueError`` (or
+``OSError``, ``RuntimeError``...) still catches what it caught before these classes existed. Every
+message is one line that names the field, file or rank and says what to do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+
+class StrategyError(Exception):
+    """Base of every error raised on purpose by ``strategy``."""
+
+
+class ConfigError(StrategyError, ValueError):
+    """A bad setting: the message names the field, the value and the fix."""
+
+
+class DataError(StrategyError, ValueError):
+    """A bad data file or row: the message names the file, the row and the fix."""
+
+
+class CorruptWeightsError(StrategyError, ValueError):
+    """A weights file that cannot be what its header or index says: the message names the file."""
+
+
+class CheckpointFileError(StrategyError, RuntimeError):
+    """A checkpoint file that is missing, damaged or holds objects we refuse to unpickle."""
+
+
+class SaveError(StrategyError, RuntimeError):
+    """A save (checkpoint or export) failed on some rank; earlier saves are intact."""
+
+
+class RankFailedError(StrategyError, RuntimeError):
+    """Another rank failed; raised on every rank with the first failure's message."""
+
+
+class NonFiniteLossError(StrategyError, FloatingPointError):
+    """The training loss became NaN or infinite (outside fp16's loss-scaler skips)."""
+
+
+def fail(name: str, value: Any, fix: str) -> NoReturn:
+    """Raise the one-line ``ConfigError`` shape: ``name=value is invalid: fix``."""
+    raise ConfigError(f"{name}={value!r} is invalid: {fix}")

@@ -1,0 +1,178 @@
+"""``save_model``: a Hugging Face directory from any ZeRO stage, streamed.
+
+Under ZeRO-3 parameters are gathered a bounded group at a time (about the largest tensor), rank 0
+appends them to the current safetensors shard and lets them go before the next gather, so rank-0
+memory never holds the model. Under ZeRO 0-2 rank 0 writes from its own parameters, tensor by
+tensor, and no rank copies a state dict. Everything lands in a hidden sibling directory that is
+renamed onto ``output_dir`` only when complete.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+from torch import nn
+
+from strategy import dist
+from strategy.atomic_fs import atomic_directory
+from strategy.dtypes import resolve_dtype
+from strategy.errors import SaveError
+from strategy.export.metadata import write_export_metadata
+from strategy.export.shards import ShardPlan, ShardWriter, parse_size, plan_shards
+from strategy.export.units import Unit, adapter_units, full_units, merged_units
+from strategy.internals import is_zero3_param
+from strategy.model import is_peft_model
+
+
+def _units(module: nn.Module, peft: bool, merge_lora: bool, dtype, max_shard_size) -> tuple:
+    """(units, file prefix, shard limit): a PEFT adapter goes in one file (peft reads one)."""
+    if peft and not merge_lora:
+        return adapter_units(module, dtype), "adapter_model", float("inf")
+    units = merged_units(module, dtype) if peft else full_units(module, dtype)
+    return units, "model", parse_size(max_shard_size)
+
+
+def save_model(model: nn.Module, tokenizer: Any, output_dir: str | Path,
+               max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None,
+               merge_lora: bool = False) -> Path:
+    """Write an HF directory for ``model`` (an engine or a module); call it on every rank.
+
+    A full model gets ``config.json``, ``generation_config.json``, sharded safetensors (+ index)
+    and the tokenizer; a PEFT model its adapter only, or with ``merge_lora=True`` the merged full
+    model. ``dtype`` converts floating tensors on the way out (default: as trained)."""
+    module = getattr(model, "module", model)
+    peft = is_peft_model(module)
+    if merge_lora and not peft:
+        raise ValueError("merge_lora=True needs a PEFT model: "
+                         "pass merge_lora=False for a plain model")
+    dtype = resolve_dtype(dtype)
+    units, prefix, limit = _units(module, peft, merge_lora, dtype, max_shard_size)
+    plan = plan_shards([spec for unit in units for spec in unit.specs], limit)
+    sink = _DirSink(Path(output_dir), plan, prefix) if dist.is_rank_0() else _NullSink()
+    with sink:
+        for group in group_units(units):
+            with _gathered([p for unit in group for p in unit.params]):
+                for unit in group:
+                    sink.write(unit)
+            sink.release()
+        adapter_only = peft and not merge_lora
+        sink.finish(lambda out: write_export_metadata(module, tokenizer, out, adapter_only,
+                                                      dtype or plan.main_dtype()))
+        # every rank raises the same line, so none waits in a later collective
+        dist.raise_if_any_failed(sink.error, _failure(output_dir))
+    dist.barrier()
+    return Path(output_dir)
+
+
+def _failure(output_dir: str | Path):
+    def make(rank: int, message: str) -> SaveError:
+        return SaveError(f"saving to {output_dir} failed on rank {rank} ({message}); free space or "
+                         "fix the path and save again: a previous export there is untouched")
+    return make
+
+
+def group_units(units: list[Unit]) -> list[list[Unit]]:
+    """Consecutive units whose gathered size stays within the largest single unit's (few
+    collectives, bounded memory); the same on every rank."""
+    budget = max((u.gather_bytes for u in units), default=0)
+    groups: list[list[Unit]] = []
+    size = budget + 1
+    for unit in units:
+        if size + unit.gather_bytes > budget or not groups:
+            groups.append([])
+            size = 0
+        groups[-1].append(unit)
+        size += unit.gather_bytes
+    return groups
+
+
+def _gathered(params: list[nn.Parameter]):
+    partitioned = [p for p in params if is_zero3_param(p)]
+    if not partitioned:
+        return nullcontext()
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+
+
+def _load_malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+class _NullSink:
+    """Ranks other than 0: enter every gather, touch no file."""
+
+    error: BaseException | None = None
+
+    def __enter__(self) -> _NullSink:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def write(self, unit: Unit) -> None:
+        pass
+
+    def finish(self, write_metadata) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+class _DirSink:
+    """Rank 0: shards into a temporary sibling that replaces ``output_dir`` on success. A failure is
+    kept (not raised) until every rank has passed the same gathers."""
+
+    def __init__(self, output_dir: Path, plan: ShardPlan, prefix: str) -> None:
+        self.output_dir, self.plan, self.prefix = output_dir, plan, prefix
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> _DirSink:
+        self._atomic = atomic_directory(self.output_dir)
+        try:
+            self.tmp = self._atomic.__enter__()
+        except Exception as exc:  # noqa: BLE001 - e.g. output_dir is a file: raised after gathers
+            self.error, self._atomic = exc, None
+        else:
+            self.writer = ShardWriter(self.tmp, self.plan, self.prefix)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._atomic is not None:
+            self._atomic.__exit__(*exc)
+
+    def write(self, unit: Unit) -> None:
+        if self.error is not None:
+            return
+        try:
+            produced = unit.produce()
+            for spec in unit.specs:
+                self.writer.write(spec.name, produced[spec.name])
+        except Exception as exc:  # noqa: BLE001 - reported on every rank after the loop
+            self.error = exc
+
+    def release(self) -> None:
+        """Hand the group's freed buffers back to the OS: glibc keeps freed blocks under its
+        (adaptive, up to 32 MB) mmap threshold on the heap, so without this rank-0 RSS creeps up
+        group by group."""
+        if _malloc_trim is not None:
+            _malloc_trim(0)
+
+    def finish(self, write_metadata) -> None:
+        if self.error is not None:
+            return
+        try:
+            self.writer.close()
+            write_metadata(self.tmp)
+        except Exception as exc:  # noqa: BLE001
+            self.error = exc

@@ -1,0 +1,199 @@
+"""Local JSON/JSONL/Parquet files into token ids: SFT (prompt -> response) and preference pairs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import datasets
+import torch
+
+from strategy import dist
+from strategy.errors import DataError
+from strategy.trainers.config import DataConfig
+from strategy.trainers.losses import IGNORE
+
+__all__ = ["DataError", "collate_pairs", "collate_sft", "load_pairs", "load_sft", "pack",
+           "read_rows"]
+
+
+def read_rows(path: str, max_samples: int = -1) -> list[dict]:
+    """Rows of a .json/.jsonl/.parquet file through ``datasets`` (no hub access)."""
+    if not os.path.isfile(path):
+        raise DataError(f"dataset={path!r}: no such file; pass a local .json, .jsonl or .parquet "
+                        "file")
+    ext = os.path.splitext(path)[1].lower()
+    kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(ext)
+    if kind is None:
+        raise DataError(f"dataset={path!r}: unknown extension {ext!r}; use .json, .jsonl or "
+                        ".parquet")
+    datasets.disable_progress_bars()
+    try:
+        rows = datasets.load_dataset(kind, data_files=path, split="train")
+    except Exception as e:  # noqa: BLE001 - datasets raises many types for a malformed file
+        raise DataError(f"dataset={path!r}: cannot be read as {kind} ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200]})") from None
+    rows = rows.to_list()
+    return rows if max_samples < 0 else rows[:max_samples]
+
+
+@dataclass
+class Stats:
+    """What happened to the rows of one file, reported once on rank 0."""
+
+    path: str
+    kept: int = 0
+    truncated: int = 0
+    dropped_long: int = 0
+    skipped_bad: list[str] = field(default_factory=list)
+
+    def report(self) -> None:
+        dist.print0(f"[data] {self.path}: kept {self.kept}, truncated {self.truncated}, "
+                    f"dropped over max_len {self.dropped_long}, skipped bad rows "
+                    f"{len(self.skipped_bad)}")
+
+
+def _text(row: dict, key: str, path: str, index: int) -> str:
+    if key not in row or row[key] is None:
+        raise DataError(f"{path} row {index}: missing key {key!r} (has {sorted(row)}); "
+                        f"set the right --{{input,output,prompt,chosen,rejected}}_key")
+    value = row[key]
+    if not isinstance(value, str) or not value.strip():
+        raise DataError(f"{path} row {index}: {key!r} is empty or not text; fix the row or pass "
+                        "--skip_bad_rows")
+    return value
+
+
+class Tokenize:
+    """Turns (prompt, response) text into ids with labels on the response only."""
+
+    def __init__(self, tokenizer: Any, cfg: DataConfig) -> None:
+        self.tok, self.cfg = tokenizer, cfg
+        if tokenizer.eos_token_id is None:
+            raise DataError("tokenizer has no eos_token; set one so responses can end")
+
+    def prompt(self, text: str) -> str:
+        if not self.cfg.apply_chat_template:
+            return text
+        return self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                            add_generation_prompt=True)
+
+    def pair(self, prompt: str, response: str) -> tuple[list[int], list[int], int]:
+        """(input_ids, labels, number of tokens cut) for one prompt/response."""
+        p = self.tok(self.prompt(prompt), add_special_tokens=False)["input_ids"]
+        r = self.tok(response, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        ids, labels = p + r, [IGNORE] * len(p) + r
+        cut = max(0, len(ids) - self.cfg.max_len)
+        return ids[: self.cfg.max_len], labels[: self.cfg.max_len], cut
+
+
+def _admit(stats: Stats, cut: int, labels: list[int], cfg: DataConfig, where: str) -> bool:
+    """Apply the overlong policy; a sample whose response was cut away entirely is always
+    dropped."""
+    if cut and cfg.overlong == "error":
+        raise DataError(f"{where}: {cut} tokens over max_len={cfg.max_len}; raise --max_len or set "
+                        "--overlong")
+    if cut and (cfg.overlong == "drop" or all(v == IGNORE for v in labels)):
+        stats.dropped_long += 1
+        return False
+    stats.truncated += bool(cut)
+    return True
+
+
+def _rows(path: str, cfg: DataConfig, keys: tuple[str, ...], stats: Stats, max_samples: int):
+    for i, row in enumerate(read_rows(path, max_samples)):
+        try:
+            yield i, [_text(row, k, path, i) for k in keys]
+        except DataError as e:
+            if not cfg.skip_bad_rows:
+                raise
+            stats.skipped_bad.append(str(e))
+
+
+def load_sft(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1) -> list[dict]:
+    """SFT samples ``{"input_ids", "labels"}``; rows failing checks raise, or are counted and
+    skipped."""
+    stats, tok, out = Stats(path), Tokenize(tokenizer, cfg), []
+    keys = (cfg.input_key, cfg.output_key)
+    for i, (prompt, response) in _rows(path, cfg, keys, stats, max_samples):
+        ids, labels, cut = tok.pair(prompt, response)
+        if _admit(stats, cut, labels, cfg, f"{path} row {i}"):
+            out.append({"input_ids": ids, "labels": labels})
+    stats.kept = len(out)
+    stats.report()
+    if not out:
+        raise DataError(f"dataset={path!r}: no usable rows after checks; see the counts above")
+    return out
+
+
+def load_pairs(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1) -> list[dict]:
+    """Preference samples ``{"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}``."""
+    stats, tok, out = Stats(path), Tokenize(tokenizer, cfg), []
+    keys = (cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
+    for i, (prompt, chosen, rejected) in _rows(path, cfg, keys, stats, max_samples):
+        c_ids, c_lab, c_cut = tok.pair(prompt, chosen)
+        r_ids, r_lab, r_cut = tok.pair(prompt, rejected)
+        where = f"{path} row {i}"
+        if _admit(stats, c_cut, c_lab, cfg, where) and _admit(stats, r_cut, r_lab, cfg, where):
+            out.append({"chosen_ids": c_ids, "chosen_labels": c_lab, "rejected_ids": r_ids,
+                        "rejected_labels": r_lab})
+    stats.kept = len(out)
+    stats.report()
+    if not out:
+        raise DataError(f"dataset={path!r}: no usable rows after checks; see the counts above")
+    return out
+
+
+def pack(samples: list[dict], max_len: int) -> list[dict]:
+    """Greedily concatenate consecutive SFT samples into rows of at most ``max_len`` tokens;
+    ``seq_lens`` keeps the boundaries so attention stays within each sample."""
+    packed, cur = [], {"input_ids": [], "labels": [], "seq_lens": []}
+    for s in samples:
+        if cur["input_ids"] and len(cur["input_ids"]) + len(s["input_ids"]) > max_len:
+            packed.append(cur)
+            cur = {"input_ids": [], "labels": [], "seq_lens": []}
+        cur["input_ids"] += s["input_ids"]
+        cur["labels"] += s["labels"]
+        cur["seq_lens"].append(len(s["input_ids"]))
+    return packed + ([cur] if cur["input_ids"] else [])
+
+
+def _pad(seqs: list[list[int]], value: int) -> torch.Tensor:
+    width = max(len(s) for s in seqs)
+    return torch.tensor([s + [value] * (width - len(s)) for s in seqs])
+
+
+def block_mask(seq_lens: list[list[int]], width: int) -> torch.Tensor:
+    """A 4-d boolean mask (batch, 1, L, L): causal within each packed sample, nothing across."""
+    mask = torch.zeros(len(seq_lens), 1, width, width, dtype=torch.bool)
+    for b, lens in enumerate(seq_lens):
+        start = 0
+        for n in lens:
+            mask[b, 0, start:start + n, start:start + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            start += n
+    return mask
+
+
+def collate_sft(pad_id: int):
+    def collate(batch: list[dict]) -> dict:
+        ids = _pad([b["input_ids"] for b in batch], pad_id)
+        out = {"input_ids": ids, "labels": _pad([b["labels"] for b in batch], IGNORE)}
+        if "seq_lens" in batch[0]:
+            out["attention_mask"] = block_mask([b["seq_lens"] for b in batch], ids.shape[1])
+            positions = [[i for n in b["seq_lens"] for i in range(n)] for b in batch]
+            out["position_ids"] = _pad(positions, 0)
+        else:
+            out["attention_mask"] = _pad([[1] * len(b["input_ids"]) for b in batch], 0)
+        return out
+    return collate
+
+
+def collate_pairs(pad_id: int):
+    """Chosen rows first, then rejected: one forward pass scores both."""
+    def collate(batch: list[dict]) -> dict:
+        ids = [b["chosen_ids"] for b in batch] + [b["rejected_ids"] for b in batch]
+        labels = [b["chosen_labels"] for b in batch] + [b["rejected_labels"] for b in batch]
+        return {"input_ids": _pad(ids, pad_id), "labels": _pad(labels, IGNORE),
+                "attention_mask": _pad([[1] * len(x) for x in ids], 0)}
+    return collate

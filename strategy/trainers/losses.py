@@ -1,0 +1,52 @@
+"""The losses trainers use, as pure functions of logits, labels and log-probs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100  # label of tokens that are not scored (prompt, padding)
+
+
+def response_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Mean next-token cross-entropy over tokens whose label is not -100 (prompt and padding)."""
+    logits, labels = logits[:, :-1].float(), labels[:, 1:]
+    count = int((labels != IGNORE).sum())
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=IGNORE, reduction="sum")
+    return loss / max(count, 1), count
+
+
+def log_softmax_gather(logits: torch.Tensor,
+                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of ``labels`` under next-token ``logits``, and the mask of scored
+    tokens."""
+    logits, labels = logits[:, :-1].float(), labels[:, 1:]
+    mask = labels != IGNORE
+    picked = labels.clamp(min=0).unsqueeze(-1)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, picked).squeeze(-1)
+    return logp * mask, mask
+
+
+def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The Bradley-Terry loss and how often the chosen response scores higher."""
+    loss = -F.logsigmoid(chosen - rejected).mean()
+    return loss, {"accuracy": (chosen > rejected).float().mean().item(),
+                  "reward_margin": (chosen - rejected).mean().item()}
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float,
+             label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """DPO (conservative with ``label_smoothing``) from policy/reference log-probs of the chosen
+    and rejected responses."""
+    logits = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+    losses = (-F.logsigmoid(beta * logits) * (1 - label_smoothing)
+              - F.logsigmoid(-beta * logits) * label_smoothing)
+    chosen_reward = beta * (policy_chosen - ref_chosen).detach()
+    rejected_reward = beta * (policy_rejected - ref_rejected).detach()
+    accuracy = (chosen_reward > rejected_reward).float().mean().item()
+    return losses.mean(), {"reward_accuracy": accuracy,
+                           "reward_margin": (chosen_reward - rejected_reward).mean().item(),
+                           "chosen_reward": chosen_reward.mean().item(),
+                           "rejected_reward": rejected_reward.mean().item()}

@@ -1,0 +1,189 @@
+"""Every private or undocumented DeepSpeed/torch access in ``strategy.internals``, exercised on the
+real libraries: an upgrade that moves one of them fails here, not deep inside a training run."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from strategy import internals
+from tests.support.helpers import make_strategy
+from tests.support.models import tiny_llama
+
+
+def engine_internals() -> dict:
+    """One 2-rank body for the accesses that need an engine: ZeRO-0 fp32 and ZeRO-3."""
+    out = {}
+    s0 = make_strategy(0, micro=2, total=8)  # 2 micro-steps per optimizer step
+    model = s0.from_pretrained(tiny_llama())
+    engine = s0.prepare((model, s0.create_optimizer(model), None))
+    out["zero0_measures_norm"] = internals.engine_measures_grad_norm(engine)
+    x = torch.randint(0, 96, (2, 8))
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    out["counters_after_one_micro"] = internals.engine_counters(engine)
+    out["skipped"] = internals.skipped_steps(engine)
+    with internals.universal_checkpoint_loading(engine):
+        out["universal_inside"] = engine.load_universal_checkpoint()
+    out["universal_after"] = engine.load_universal_checkpoint()
+    store = internals.default_store()
+    store.set(f"internals_probe/{s0.rank}", "x")
+    out["store"] = store.get(f"internals_probe/{1 - s0.rank}").decode()
+    s0.close()
+
+    s3 = make_strategy(3)
+    model = s3.from_pretrained(tiny_llama())
+    engine = s3.prepare((model, s3.create_optimizer(model), None))
+    out["zero3_measures_norm"] = internals.engine_measures_grad_norm(engine)
+    weight = engine.module.model.embed_tokens.weight
+    out["zero3"] = (internals.is_zero3_param(weight), internals.full_shape(weight),
+                    internals.full_numel(weight), internals.local_partition(weight).numel(),
+                    tuple(weight.shape))
+    s3.close()
+    return out
+
+
+def test_engine_internals(ranks):
+    out = ranks.run(engine_internals)
+    for got in out:
+        assert got["zero0_measures_norm"] is False and got["zero3_measures_norm"] is True
+        assert got["counters_after_one_micro"] == (0, 0, 1)  # 1 of 2 micro-steps: no step yet
+        assert got["skipped"] == 0
+        assert (got["universal_inside"], got["universal_after"]) == (True, False)
+        assert got["store"] == "x"
+        flag, shape, numel, local, empty = got["zero3"]
+        assert flag and shape == (96, 32) and numel == 96 * 32 and empty == (0,)
+        assert local == numel // 2, "each of 2 ranks holds half of the embedding"
+
+
+def test_universal_args_match_deepspeeds_parser(monkeypatch):
+    from deepspeed.checkpoint import ds_to_universal
+
+    monkeypatch.setattr(sys, "argv", ["x", "--input_folder", "a", "--output_folder", "b"])
+    expected = vars(ds_to_universal.parse_arguments())
+    assert set(vars(internals.universal_args("a", "b"))) == set(expected)
+
+
+def test_zero3_helpers_on_plain_tensors():
+    plain = nn.Parameter(torch.zeros(3, 4))
+    assert not internals.is_zero3_param(plain)
+    assert internals.full_shape(plain) == (3, 4) and internals.full_numel(plain) == 12
+    assert internals.local_partition(plain).data_ptr() == plain.data_ptr()
+
+
+def test_torch_internals():
+    assert isinstance(nn.BatchNorm1d(3), internals.norm_base_classes())
+    module = nn.Module()
+    module.register_buffer("kept", torch.zeros(1))
+    module.register_buffer("dropped", torch.zeros(1), persistent=False)
+    assert internals.non_persistent_buffers(module) == {"dropped"}
+    assert "dropped" not in module.state_dict()
+
+
+def test_deepspeed_config_keys_and_zero_schema():
+    keys = internals.deepspeed_config_keys()
+    assert {"train_batch_size", "zero_optimization", "gradient_clipping", "bf16"} <= keys
+    good = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    assert internals.zero_config_error(good) is None
+    field, message = internals.zero_config_error({"stage3_param_persitence_threshold": 0})
+    assert field == "stage3_param_persitence_threshold" and message
+
+
+def test_shm_buffer_name_matches_deepspeeds_source():
+    import deepspeed
+
+    source = Path(deepspeed.__file__).parent / "ops" / "csrc" / "cpu" / "comm" / "shm.cpp"
+    text = source.read_text()
+    assert '#define SHM_BUFFER_NAME "deepspeed_allreduce_buffer"' in text
+    assert 'snprintf(shm_name, NAME_BUF_SIZE, "%s_%d", shm_name_prefix, rank)' in text
+    path = internals.shm_allreduce_buffer_path(3)
+    assert path.startswith(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_")
+    assert path.endswith("_3")
+
+
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_weights_only_load_refuses_a_pickle_payload(tmp_path):
+    marker, path = tmp_path / "pwned", tmp_path / "evil.pt"
+    torch.save({"module": {"w": torch.zeros(1)}, "x": _Payload(str(marker))}, path)
+    assert not marker.exists()
+
+    def refused(file, reason):
+        return RuntimeError(f"refused {file}: {reason}")
+
+    with internals.weights_only_torch_load(refused), pytest.raises(RuntimeError, match="refused"):
+        torch.load(path)
+    assert not marker.exists(), "the payload ran"
+    with internals.weights_only_torch_load(refused):  # DeepSpeed's own classes are allowed
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+        torch.save({"scaler": LossScaler(1.0)}, tmp_path / "ok.pt")
+        assert isinstance(torch.load(tmp_path / "ok.pt")["scaler"], LossScaler)
+
+
+def test_adam_kernels():
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    first = internals.new_cpu_adam_id()
+    assert internals.new_cpu_adam_id() == first + 1
+    optimizer = DeepSpeedCPUAdam([nn.Parameter(torch.zeros(2))])
+    assert optimizer.opt_id == first + 2, "DeepSpeedCPUAdam no longer counts ids where we do"
+    op = internals.cpu_adam_op()
+    assert all(hasattr(op, name) for name in ("create_adam", "adam_update", "destroy_adam"))
+    param, grad = torch.ones(4), torch.full((4,), 0.5)
+    exp_avg, exp_avg_sq = torch.zeros(4), torch.zeros(4)
+    flag = torch.zeros(1, dtype=torch.int)
+    internals.multi_tensor_adam(2048)(flag, [[grad], [param], [exp_avg], [exp_avg_sq]], 0.1, 0.9,
+                                      0.999, 1e-8, 1, 1, 1, 0.0)
+    reference = nn.Parameter(torch.ones(4))
+    reference.grad = torch.full((4,), 0.5)
+    torch.optim.AdamW([reference], lr=0.1, weight_decay=0.0).step()
+    torch.testing.assert_close(param, reference.detach())
+
+
+@pytest.mark.parametrize("kind", ["fused_adam", "cpu_adam"])
+def test_restarted_adam_powers_make_a_reloaded_optimizer_continue_bit_for_bit(kind):
+    """DeepSpeed's C++ CPU Adam keeps beta^t as a running product; a reloaded optimizer starts
+    from pow(beta, t). With the restart before every step, both paths give the same bits."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    def make(param):
+        if kind == "fused_adam":
+            return FusedAdam([param], lr=1e-2, betas=(0.9, 0.95))
+        return DeepSpeedCPUAdam([param], lr=1e-2, betas=(0.9, 0.95))
+
+    def step(optimizer, param, k, restart):
+        param.grad = torch.sin(torch.arange(64.0) * (k + 1))
+        if restart:
+            internals.restart_adam_powers(optimizer)
+        optimizer.step()
+
+    gaps = {}
+    for restart in (False, True):
+        torch.manual_seed(0)
+        param = nn.Parameter(torch.randn(64))
+        optimizer = make(param)
+        for k in range(12):
+            step(optimizer, param, k, restart)
+            if k == 5:
+                saved, weights = copy.deepcopy(optimizer.state_dict()), param.detach().clone()
+        resumed = nn.Parameter(weights)
+        other = make(resumed)
+        other.load_state_dict(saved)
+        for k in range(6, 12):
+            step(other, resumed, k, restart)
+        gaps[restart] = (param - resumed).abs().max().item()
+    assert gaps[True] == 0.0, gaps
+    assert gaps[False] > 0.0, "the running product no longer differs: the restart may be moot"
