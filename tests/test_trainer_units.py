@@ -212,6 +212,9 @@ def test_parquet_and_json_array_files(tmp_path, tok):
 
 
 def test_chat_template_wraps_prompt_only(tmp_path, tok):
+    import copy
+
+    tok = copy.deepcopy(tok)  # the fixture is shared: keep its own template
     tok.chat_template = (
         "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
         "{% if add_generation_prompt %}={% endif %}"
@@ -224,3 +227,63 @@ def test_chat_template_wraps_prompt_only(tmp_path, tok):
     assert tok.decode(sample["input_ids"][:n_prompt]).endswith(
         "="
     )  # template (with generation prompt) is masked
+
+
+# ------------------------------------------------------------ chat rows
+
+
+def test_two_turn_chat_scores_assistant_content_and_end_of_turn_only(tok):
+    from strategy.trainers.chat import tokenize_chat
+
+    messages = [{"role": "system", "content": "="}, {"role": "user", "content": "ab="},
+                {"role": "assistant", "content": "ba"}, {"role": "user", "content": "cde="},
+                {"role": "assistant", "content": "edc"}]
+    ids, labels = tokenize_chat(tok, messages, "row")
+    tokens = tok.convert_ids_to_tokens(ids)
+    assert "".join(tokens) == "<system>=<user>ab=<assistant>ba<eos><user>cde=<assistant>edc<eos>"
+    scored = [t if label != -100 else "_" for t, label in zip(tokens, labels)]
+    # written out by hand: the two answers and the <eos> that closes each, nothing else
+    want = ["_"] * 7 + ["b", "a", "<eos>"] + ["_"] * 6 + ["e", "d", "c", "<eos>"]
+    assert scored == want
+    assert all(label in (-100, token) for token, label in zip(ids, labels))
+
+
+def test_chat_rows_load_pack_and_truncate(tmp_path, tok):
+    chat = {"messages": [{"role": "user", "content": "abc="},
+                         {"role": "assistant", "content": "cba"}]}
+    path = _write(tmp_path, [chat, {"input": "ab=", "output": "ba"}, chat])
+    rows = ds.load_sft(path, tok, DataConfig(max_len=16))
+    assert len(rows) == 3 and rows[0]["labels"].count(-100) == 6  # <user>abc=<assistant>
+    packed = ds.pack(rows, max_len=16)
+    assert sum(len(p["input_ids"]) for p in packed) == sum(len(r["input_ids"]) for r in rows)
+    cut = ds.load_sft(path, tok, DataConfig(max_len=7, overlong="truncate"))
+    assert [len(r["input_ids"]) for r in cut] == [7, 6, 7]  # the chat keeps 1 answer token
+    with pytest.raises(ds.DataError, match="row 0: .* over max_len=4"):
+        ds.load_sft(path, tok, DataConfig(max_len=4, overlong="error"))
+
+
+BAD_CHATS = [
+    ([{"role": "robot", "content": "x"}], "row 0: unknown role 'robot'"),
+    ([{"role": "user", "content": "ab="}], "row 0: no assistant turn"),
+    ([{"role": "user"}, {"role": "assistant", "content": "a"}], "row 0: a user turn has no text"),
+    ([], "row 0: messages must be a non-empty list"),
+]
+
+
+@pytest.mark.parametrize("messages,message", BAD_CHATS)
+def test_bad_chat_rows_name_file_and_row(tmp_path, tok, messages, message):
+    path = _write(tmp_path, [{"messages": messages}])
+    with pytest.raises(ds.DataError, match=message) as err:
+        ds.load_sft(path, tok, DataConfig())
+    assert path in str(err.value) and "\n" not in str(err.value)
+
+
+def test_chat_needs_a_template(tmp_path, tok):
+    import copy
+
+    plain = copy.deepcopy(tok)
+    plain.chat_template = None
+    path = _write(tmp_path, [{"messages": [{"role": "user", "content": "a"},
+                                           {"role": "assistant", "content": "b"}]}])
+    with pytest.raises(ds.DataError, match="row 0: the tokenizer has no chat_template"):
+        ds.load_sft(path, plain, DataConfig())

@@ -19,7 +19,7 @@ def toy(tmp_path_factory):
     from strategy.trainers.recipe import hf_config
 
     root = tmp_path_factory.mktemp("toy")
-    make(str(root / "data"), n_train=256, n_test=32)
+    make(str(root / "data"), n_train=256, n_test=29)  # 29 held out: divides by neither 2 nor 8
     tok = AutoTokenizer.from_pretrained(str(root / "data" / "tokenizer"))
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", tok)).save_pretrained(
@@ -173,6 +173,7 @@ def dpo_and_lora(stage: int, toy: str) -> dict:
         dpo=run.dpo,
     )
     dpo_eval = dpo.fit()
+    dpo_direct = _direct_dpo_accuracy(dpo, f"{toy}/data/pairs_test.jsonl")
     run.strategy.close()
 
     run = Run.from_args(
@@ -201,7 +202,27 @@ def dpo_and_lora(stage: int, toy: str) -> dict:
     )
     lora.fit()
     run.strategy.close()
-    return {"dpo": dpo.history, "dpo_eval": dpo_eval, "lora": _losses(lora), "trainable": trainable}
+    return {"dpo": dpo.history, "dpo_eval": dpo_eval, "dpo_direct": dpo_direct,
+            "lora": _losses(lora), "trainable": trainable}
+
+
+def _direct_dpo_accuracy(trainer, path: str) -> float:
+    """Each held-out pair alone on every rank: is the chosen reward above the rejected one?"""
+    from strategy.trainers import data
+    from strategy.trainers.config import DataConfig
+    from strategy.trainers.dpo import sequence_logps
+
+    rows = data.load_pairs(path, trainer.tokenizer, DataConfig(max_len=16))
+    collate, wins = data.collate_pairs(trainer.tokenizer.pad_token_id), 0
+    trainer.model.eval()
+    with torch.no_grad():
+        for row in rows:
+            batch = collate([row])
+            policy = sequence_logps(trainer.model, batch)
+            reference = sequence_logps(trainer.ref_model, batch)
+            rewards = policy - reference
+            wins += bool(rewards[0] > rewards[1])
+    return wins / len(rows)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -214,6 +235,8 @@ def test_dpo_and_lora_sft_learn(ranks, toy, stage):
     )
     assert sum(dpo[-3:]) / 3 < 0.8 * math.log(2), f"DPO loss did not fall: {dpo}"
     assert out["dpo_eval"]["reward_accuracy"] > 0.6 and out["dpo_eval"]["reward_margin"] > 0
+    # 29 held-out pairs over 2 ranks and eval batches of 8: the exact figure, every pair once
+    assert out["dpo_eval"]["reward_accuracy"] == pytest.approx(out["dpo_direct"], abs=1e-6)
     assert out["trainable"] and all("lora_" in n for n in out["trainable"])
     assert sum(out["lora"][-3:]) < sum(out["lora"][:3]), out["lora"]
     assert os.path.isfile(toy / str(stage) / "lora" / "model" / "adapter_model.safetensors")

@@ -9,6 +9,7 @@ from strategy.config.fields import check_positive, check_steps, doc
 from strategy.errors import fail
 
 OVERLONG = ("truncate", "drop", "error")
+LOSS_WEIGHTINGS = ("step", "micro_batch")
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,20 @@ class TrainConfig:
     use_wandb: bool = doc("also log to Weights & Biases (offline unless WANDB_MODE says otherwise)",
                           False)
     max_shard_size: str = doc("largest safetensors shard of an export, e.g. 5GB or 500MB", "5GB")
+    loss_weighting: str = doc("'step': every token (sample, for pair losses) of an optimizer step "
+                              "weighs the same, however the step is split; 'micro_batch': each "
+                              "micro-batch's mean weighs the same (the old way)", "step")
+    peak_tflops: float | None = doc("accelerator peak TFLOPS per device for the logged MFU "
+                                    "(default: known H100/H200/A100 bf16 figures; none on CPU)",
+                                    None)
 
     def __post_init__(self) -> None:
         check_positive(self, "max_epochs", "logging_steps")
         check_steps(self, "eval_steps", "save_steps", "max_steps")
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            fail("loss_weighting", self.loss_weighting, "use step or micro_batch")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            fail("peak_tflops", self.peak_tflops, "use a positive number of TFLOPS, e.g. 989")
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,8 @@ class DataConfig:
     prompt_key: str = doc("RM/DPO: field holding the prompt", "prompt")
     chosen_key: str = doc("RM/DPO: field holding the preferred response", "chosen")
     rejected_key: str = doc("RM/DPO: field holding the rejected response", "rejected")
+    messages_key: str = doc("SFT: field holding a chat (a list of role/content turns); rows with "
+                            "it are rendered with the tokenizer's chat template", "messages")
     apply_chat_template: bool = doc("wrap prompts in the tokenizer's chat template", False)
     max_len: int = doc("longest sample in tokens", 512)
     overlong: str = doc("a sample longer than max_len: 'truncate', 'drop' (counted) or 'error'",

@@ -11,6 +11,7 @@ import torch
 
 from strategy import dist
 from strategy.errors import DataError
+from strategy.trainers.chat import check_messages, tokenize_chat
 from strategy.trainers.config import DataConfig
 from strategy.trainers.losses import IGNORE
 
@@ -54,13 +55,14 @@ class Stats:
                     f"{len(self.skipped_bad)}")
 
 
-def _text(row: dict, key: str, path: str, index: int) -> str:
-    if key not in row or row[key] is None:
-        raise DataError(f"{path} row {index}: missing key {key!r} (has {sorted(row)}); "
-                        f"set the right --{{input,output,prompt,chosen,rejected}}_key")
+def _text(row: dict, key: str, where: str) -> str:
+    if row.get(key) is None:
+        present = sorted(k for k, v in row.items() if v is not None)
+        raise DataError(f"{where}: missing key {key!r} (has {present}); "
+                        f"set the right --{{input,output,prompt,chosen,rejected,messages}}_key")
     value = row[key]
     if not isinstance(value, str) or not value.strip():
-        raise DataError(f"{path} row {index}: {key!r} is empty or not text; fix the row or pass "
+        raise DataError(f"{where}: {key!r} is empty or not text; fix the row or pass "
                         "--skip_bad_rows")
     return value
 
@@ -81,9 +83,13 @@ class Tokenize:
 
     def pair(self, prompt: str, response: str) -> tuple[list[int], list[int], int]:
         """(input_ids, labels, number of tokens cut) for one prompt/response."""
-        p = self.tok(self.prompt(prompt), add_special_tokens=False)["input_ids"]
-        r = self.tok(response, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
-        ids, labels = p + r, [IGNORE] * len(p) + r
+        prompt_ids = self.tok(self.prompt(prompt), add_special_tokens=False)["input_ids"]
+        response_ids = self.tok(response, add_special_tokens=False)["input_ids"]
+        response_ids = response_ids + [self.tok.eos_token_id]
+        return self.cut(prompt_ids + response_ids, [IGNORE] * len(prompt_ids) + response_ids)
+
+    def cut(self, ids: list[int], labels: list[int]) -> tuple[list[int], list[int], int]:
+        """Ids and labels cut to ``max_len``, and how many tokens were cut."""
         cut = max(0, len(ids) - self.cfg.max_len)
         return ids[: self.cfg.max_len], labels[: self.cfg.max_len], cut
 
@@ -101,48 +107,63 @@ def _admit(stats: Stats, cut: int, labels: list[int], cfg: DataConfig, where: st
     return True
 
 
-def _rows(path: str, cfg: DataConfig, keys: tuple[str, ...], stats: Stats, max_samples: int):
+def _samples(path: str, cfg: DataConfig, stats: Stats, max_samples: int, make):
+    """``make(row, where) -> [(ids, labels, cut), ...]`` for each row; a bad row raises, or is
+    counted and skipped with ``skip_bad_rows``; the overlong policy then admits each part (a row
+    is kept only if all its parts are)."""
     for i, row in enumerate(read_rows(path, max_samples)):
+        where = f"{path} row {i}"
         try:
-            yield i, [_text(row, k, path, i) for k in keys]
+            parts = make(row, where)
         except DataError as e:
             if not cfg.skip_bad_rows:
                 raise
             stats.skipped_bad.append(str(e))
+            continue
+        if all(_admit(stats, cut, labels, cfg, where) for _, labels, cut in parts):
+            yield parts
+
+
+def _finish(out: list[dict], stats: Stats, path: str) -> list[dict]:
+    stats.kept = len(out)
+    stats.report()
+    if not out:
+        raise DataError(f"dataset={path!r}: no usable rows after checks; see the counts above")
+    return out
 
 
 def load_sft(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1) -> list[dict]:
-    """SFT samples ``{"input_ids", "labels"}``; rows failing checks raise, or are counted and
-    skipped."""
-    stats, tok, out = Stats(path), Tokenize(tokenizer, cfg), []
-    keys = (cfg.input_key, cfg.output_key)
-    for i, (prompt, response) in _rows(path, cfg, keys, stats, max_samples):
-        ids, labels, cut = tok.pair(prompt, response)
-        if _admit(stats, cut, labels, cfg, f"{path} row {i}"):
-            out.append({"input_ids": ids, "labels": labels})
-    stats.kept = len(out)
-    stats.report()
-    if not out:
-        raise DataError(f"dataset={path!r}: no usable rows after checks; see the counts above")
-    return out
+    """SFT samples ``{"input_ids", "labels"}`` from prompt/response rows or chat rows (a
+    ``messages`` list); rows failing checks raise, or are counted and skipped."""
+    stats, tok = Stats(path), Tokenize(tokenizer, cfg)
+
+    def make(row: dict, where: str) -> list[tuple[list[int], list[int], int]]:
+        if row.get(cfg.messages_key) is not None:
+            messages = check_messages(row[cfg.messages_key], where)
+            return [tok.cut(*tokenize_chat(tokenizer, messages, where))]
+        prompt, response = (_text(row, key, where) for key in (cfg.input_key, cfg.output_key))
+        return [tok.pair(prompt, response)]
+
+    out = [{"input_ids": ids, "labels": labels}
+           for (ids, labels, _), in _samples(path, cfg, stats, max_samples, make)]
+    return _finish(out, stats, path)
 
 
 def load_pairs(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1) -> list[dict]:
-    """Preference samples ``{"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}``."""
-    stats, tok, out = Stats(path), Tokenize(tokenizer, cfg), []
-    keys = (cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
-    for i, (prompt, chosen, rejected) in _rows(path, cfg, keys, stats, max_samples):
-        c_ids, c_lab, c_cut = tok.pair(prompt, chosen)
-        r_ids, r_lab, r_cut = tok.pair(prompt, rejected)
-        where = f"{path} row {i}"
-        if _admit(stats, c_cut, c_lab, cfg, where) and _admit(stats, r_cut, r_lab, cfg, where):
-            out.append({"chosen_ids": c_ids, "chosen_labels": c_lab, "rejected_ids": r_ids,
-                        "rejected_labels": r_lab})
-    stats.kept = len(out)
-    stats.report()
-    if not out:
-        raise DataError(f"dataset={path!r}: no usable rows after checks; see the counts above")
-    return out
+    """Preference samples ``{"chosen_ids", "chosen_labels", "rejected_ids",
+    "rejected_labels"}``."""
+    stats, tok = Stats(path), Tokenize(tokenizer, cfg)
+
+    def make(row: dict, where: str) -> list[tuple[list[int], list[int], int]]:
+        keys = (cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
+        prompt, chosen, rejected = (_text(row, key, where) for key in keys)
+        return [tok.pair(prompt, chosen), tok.pair(prompt, rejected)]
+
+    out = [{"chosen_ids": c_ids, "chosen_labels": c_labels, "rejected_ids": r_ids,
+            "rejected_labels": r_labels}
+           for (c_ids, c_labels, _), (r_ids, r_labels, _) in _samples(path, cfg, stats,
+                                                                      max_samples, make)]
+    return _finish(out, stats, path)
 
 
 def pack(samples: list[dict], max_len: int) -> list[dict]:

@@ -1,4 +1,7 @@
-"""Direct preference optimization against a frozen reference prepared by the same strategy."""
+"""Direct preference optimization against a frozen reference prepared by the same strategy.
+
+The DPO term weighs every pair of a step the same; the optional NLL term on the chosen responses
+weighs every chosen token the same."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import torch
 
 from strategy.trainers.config import DPOConfig
 from strategy.trainers.loop import Trainer
-from strategy.trainers.losses import IGNORE, dpo_loss, log_softmax_gather
+from strategy.trainers.losses import IGNORE, dpo_loss, dpo_losses, log_softmax_gather
 
 __all__ = ["DPOTrainer", "dpo_loss", "sequence_logps"]
 
@@ -30,14 +33,19 @@ class DPOTrainer(Trainer):
         self.dpo = dpo or DPOConfig()
         self.ref_model = strategy.prepare(ref_model)
 
+    def loss_counts(self, batch: dict) -> dict[str, int]:
+        half = int(batch["input_ids"].shape[0]) // 2
+        return {"pairs": half, "chosen_tokens": int((batch["labels"][:half, 1:] != IGNORE).sum())}
+
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
         logps = sequence_logps(self.model, batch).float()
         with torch.no_grad():
             ref = sequence_logps(self.ref_model, batch).float()
         half = logps.shape[0] // 2
-        loss, metrics = dpo_loss(logps[:half], logps[half:], ref[:half], ref[half:], self.dpo.beta,
-                                 self.dpo.label_smoothing)
+        losses, metrics = dpo_losses(logps[:half], logps[half:], ref[:half], ref[half:],
+                                     self.dpo.beta, self.dpo.label_smoothing)
+        loss = self.normalize(losses.sum(), "pairs")
         if self.dpo.nll_loss_coef > 0:
-            tokens = (batch["labels"][:half, 1:] != IGNORE).sum().clamp(min=1)
-            loss = loss - self.dpo.nll_loss_coef * logps[:half].sum() / tokens
+            nll = self.normalize(-logps[:half].sum(), "chosen_tokens")
+            loss = loss + self.dpo.nll_loss_coef * nll
         return loss, metrics

@@ -1,5 +1,12 @@
 """The training loop every trainer shares; subclasses override small hooks.
 
+One optimizer step is ``accumulation_steps`` micro-batches on every data-parallel rank. The loop
+takes a step's micro-batches together, counts what its loss averages over (response tokens,
+pairs...) across all of them and all ranks in one collective, and only then runs the forwards,
+so every token (or sample) of a step weighs the same however the step is split. An epoch runs a
+whole number of steps: micro-batches left over at its end (fewer than one step's worth) are
+dropped, the same rule ``plan_steps`` uses for the schedule, the progress bar and resume.
+
 The loop never branches on rank: the strategy reduces metrics and writes files on rank 0 only,
 and ranks > 0 get a null logger and a disabled progress bar.
 """
@@ -8,29 +15,42 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from itertools import islice
+from typing import Any, Iterator
 
 import torch
 from tqdm import tqdm
 
 from strategy.errors import NonFiniteLossError, fail
-from strategy.internals import skipped_steps
+from strategy.internals import engine_counters, skipped_steps
 from strategy.metrics import create_logger
+from strategy.trainers.aggregate import MetricSums, evaluate_lockstep
 from strategy.trainers.config import TrainConfig
 from strategy.trainers.steps import StepPlan, plan_steps
+from strategy.trainers.throughput import StepMeter
 
 
 class Trainer:
     """Owns micro-steps, accumulation, evaluation, logging, checkpoints, exports and resume.
 
-    Hooks: ``compute_loss(batch) -> (loss, metrics)`` (required) and ``eval_metrics(batch) ->
-    metrics`` (defaults to ``compute_loss`` without gradients). Metrics are floats averaged over
-    micro-steps and ranks.
+    Hooks:
+      - ``compute_loss(batch) -> (loss, metrics)`` (required). For a loss that is a mean over
+        items (tokens, pairs), return ``self.normalize(sum_over_items, key)``: the loop makes each
+        item of the whole step (or evaluation) weigh the same. A plain micro-batch mean also works
+        (each micro-batch then weighs the same). Metric values are floats (averaged over
+        micro-batches) or ``(sum, count)`` pairs (exact means over items).
+      - ``loss_counts(batch) -> {key: count}``: the items ``normalize`` divides by; default the
+        number of samples.
+      - ``eval_metrics(batch) -> metrics``: defaults to ``compute_loss`` without gradients.
     """
 
     def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config: TrainConfig | None = None,
                  tokenizer: Any = None) -> None:
+        sampler = getattr(eval_dataloader, "sampler", None)
+        if eval_dataloader is not None and not hasattr(sampler, "max_batches"):
+            fail("eval_dataloader", type(sampler).__name__, "build it with "
+                 "strategy.setup_eval_dataloader (it counts every held-out sample once)")
         self.strategy, self.cfg, self.tokenizer = strategy, config or TrainConfig(), tokenizer
         self.train_dataloader, self.eval_dataloader = train_dataloader, eval_dataloader
         self.model = strategy.prepare((model, optimizer, scheduler))
@@ -38,14 +58,37 @@ class Trainer:
         self.global_step = 0
         self.history: list[dict] = []
         self.last_eval: tuple[int, dict] = (-1, {})  # (step, metrics) of the latest evaluation
+        self.step_counts: dict[str, float] = {}  # items of this step (or evaluation), all ranks
+        self._micro_counts: dict[str, float] = {}  # items of the current micro-batch
+        self._loss_scale = 1.0  # undoes DeepSpeed's mean over micro-batches and ranks
+        self._normalized = False  # whether the last compute_loss called normalize
+        self.meter = StepMeter(self.model, strategy, self.cfg.peak_tflops)
 
     # ------------------------------------------------------------ hooks
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
         raise NotImplementedError("a trainer must implement compute_loss(batch) -> (loss, metrics)")
 
+    def loss_counts(self, batch: dict) -> dict[str, int]:
+        return {"samples": int(batch["input_ids"].shape[0])}
+
     def eval_metrics(self, batch: dict) -> dict:
         loss, metrics = self.compute_loss(batch)
+        if self._normalized:  # an exact share of the evaluation's loss: the shares add up
+            return {"loss": (loss.item(), self._eval_share), **metrics}
         return {"loss": loss.item(), **metrics}
+
+    def normalize(self, total: torch.Tensor, key: str) -> torch.Tensor:
+        """``total`` (a sum over this micro-batch's ``key`` items) as this micro-batch's share of
+        the loss: divided by the items of the whole step on all ranks (``loss_weighting: step``)
+        or by this micro-batch's own (``micro_batch``)."""
+        self._normalized = True
+        if self.cfg.loss_weighting == "micro_batch" and self.model.training:
+            return total / max(self._micro_counts[key], 1)
+        return total * self._loss_scale / max(self.step_counts[key], 1)
+
+    def set_micro_counts(self, counts: dict[str, float]) -> None:
+        """The items of the micro-batch ``compute_loss`` is about to see (the loop calls this)."""
+        self._micro_counts, self._normalized = counts, False
 
     def to_device(self, batch: dict) -> dict:
         device = self.model.device
@@ -67,14 +110,17 @@ class Trainer:
     def fit(self) -> dict:
         """Train to the end (resuming first if asked); export the final model; return the last
         eval metrics."""
-        start_epoch = self._resume() if self.cfg.load_checkpoint else 0
-        total = self.total_steps()
-        bar = tqdm(total=total, initial=self.global_step, desc="train", dynamic_ncols=True,
-                   disable=not self.strategy.is_rank_0, mininterval=2.0)
+        start_epoch, done_in_epoch = self._resume() if self.cfg.load_checkpoint else (0, 0)
+        plan = self.step_plan
+        bar = tqdm(total=plan.total_steps, initial=self.global_step, desc="train",
+                   dynamic_ncols=True, disable=not self.strategy.is_rank_0, mininterval=2.0)
         for epoch in range(start_epoch, self.cfg.max_epochs):
             if epoch > start_epoch or not self.cfg.load_checkpoint:
                 self.train_dataloader.sampler.set_epoch(epoch)
-            if self._train_epoch(epoch, bar, total):
+                done_in_epoch = 0
+            steps = min(plan.steps_per_epoch - done_in_epoch, plan.total_steps - self.global_step)
+            self._train_epoch(epoch, steps, bar)
+            if self.global_step >= plan.total_steps:
                 break
         bar.close()
         final = self.evaluate() if self.eval_dataloader is not None else {}
@@ -82,43 +128,62 @@ class Trainer:
         self.logger.close()
         return final
 
-    def _train_epoch(self, epoch: int, bar: tqdm, total: int) -> bool:
-        """One pass; True when ``max_steps`` was reached."""
-        self.model.train()
-        sums: dict[str, float] = {}
-        micro = 0
-        for batch in self.train_dataloader:
-            loss, metrics = self.compute_loss(self.to_device(batch))
-            self.strategy.backward(loss, self.model)
-            self.strategy.optimizer_step(self.model)
-            micro += 1
-            for k, v in {"loss": loss.item(), **metrics}.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-            if micro % self.strategy.accumulation_steps:
-                continue
-            self.global_step += 1
-            self._after_step(epoch, {k: v / micro for k, v in sums.items()}, bar)
-            sums, micro = {}, 0
-            if self.global_step >= total:
-                return True
-        return False
+    def _step_batches(self, batches: Iterator) -> list[tuple[dict, dict]]:
+        """The next optimizer step's micro-batches, and the items they hold on all ranks."""
+        step = islice(batches, self.strategy.accumulation_steps)
+        micro = [self.to_device(batch) for batch in step]
+        counts = [self.loss_counts(batch) for batch in micro]
+        if self.cfg.loss_weighting == "step":  # the one collective that makes losses exact
+            local = {key: float(sum(c[key] for c in counts)) for key in counts[0]}
+            self.step_counts = self.strategy.all_reduce(local, op="sum", group="data")
+        return list(zip(micro, counts))
 
-    def _after_step(self, epoch: int, metrics: dict, bar: tqdm) -> None:
-        step, cfg = self.global_step, self.cfg
-        metrics = self.strategy.all_reduce(metrics)  # every step: all ranks see the same loss
+    def _train_epoch(self, epoch: int, steps: int, bar: tqdm) -> None:
+        """``steps`` optimizer steps from where the loader stands."""
+        self.model.train()
+        self._loss_scale = self.strategy.accumulation_steps * self.strategy.data_parallel_size
+        batches = iter(self.train_dataloader)
+        for _ in range(steps):
+            self.meter.start()
+            sums = MetricSums()
+            for batch, counts in self._step_batches(batches):
+                self.set_micro_counts(counts)
+                loss, metrics = self.compute_loss(batch)
+                self.strategy.backward(loss, self.model)
+                self.strategy.optimizer_step(self.model)
+                sums.add({"loss": loss.item(), **metrics})
+                self.meter.count(batch)
+            self._after_step(epoch, sums, bar)
+
+    def _after_step(self, epoch: int, sums: MetricSums, bar: tqdm) -> None:
+        self.global_step += 1
+        self._check_in_step()
+        metrics, totals = sums.reduce(self.strategy, self.meter.local())  # all ranks: same loss
+        self.meter.finish(totals)
         self._check_finite(metrics["loss"], epoch)
-        if step % cfg.logging_steps == 0:
-            metrics.update(lr=self.model.get_lr()[0],
-                           grad_norm=self.strategy.get_grad_norm(self.model), epoch=epoch,
-                           skipped_steps=skipped_steps(self.model))
-            self.logger.log(step, metrics)
-            self.history.append({"step": step, **metrics})
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}")
+        cfg = self.cfg
+        if self.global_step % cfg.logging_steps == 0:
+            self._log(epoch, metrics, bar)
         bar.update(1)
-        if cfg.eval_steps > 0 and step % cfg.eval_steps == 0 and self.eval_dataloader is not None:
+        if cfg.eval_steps > 0 and self.global_step % cfg.eval_steps == 0:
             self.evaluate()
-        if cfg.save_steps > 0 and step % cfg.save_steps == 0:
+        if cfg.save_steps > 0 and self.global_step % cfg.save_steps == 0:
             self.save_checkpoint()
+
+    def _log(self, epoch: int, metrics: dict, bar: tqdm) -> None:
+        metrics.update(lr=self.model.get_lr()[0], grad_norm=self.strategy.get_grad_norm(self.model),
+                       epoch=epoch, skipped_steps=skipped_steps(self.model),
+                       **self.meter.report())
+        self.logger.log(self.global_step, metrics)
+        self.history.append({"step": self.global_step, **metrics})
+        bar.set_postfix(self.meter.postfix(metrics))
+
+    def _check_in_step(self) -> None:
+        """The loop and DeepSpeed agree on where optimizer steps fall."""
+        engine_steps = engine_counters(self.model)[0]
+        if engine_steps != self.global_step:
+            raise RuntimeError(f"the loop counts {self.global_step} optimizer steps but DeepSpeed "
+                               f"counts {engine_steps}; a micro-batch went astray (report this)")
 
     def _check_finite(self, loss: float, epoch: int) -> None:
         """fp16: the loss scaler skips overflow steps (counted in ``skipped_steps``); otherwise a
@@ -132,22 +197,21 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Average ``eval_metrics`` over the held-out loader on all ranks; log and return it."""
+        """Exact held-out metrics on all ranks: every sample counted once, losses weighted by
+        their items; logged and returned."""
         self.model.eval()
-        sums, count = {}, 0
-        for batch in self.eval_dataloader:
-            for k, v in self.eval_metrics(self.to_device(batch)).items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-            count += 1
-        totals = self.strategy.all_reduce({**sums, "_n": count}, op="sum")
-        n = max(totals.pop("_n"), 1)
-        metrics = {k: v / n for k, v in totals.items()}
+        metrics = evaluate_lockstep(self, self.eval_dataloader)
         self.logger.log(self.global_step, metrics, prefix="eval")
         self.last_eval = (self.global_step, metrics)
         shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
         self.strategy.print(f"[eval] step {self.global_step}: {shown}")
         self.model.train()
         return metrics
+
+    def prepare_eval_counts(self, counts: dict[str, float], batches: int) -> None:
+        """Called by the evaluation before its forwards: the items of the whole held-out set."""
+        self.step_counts, self._loss_scale = counts, 1.0
+        self._eval_share = 1.0 / max(batches, 1)
 
     # ------------------------------------------------------------ persistence
     def save_model(self, path: str) -> None:
@@ -176,14 +240,14 @@ class Trainer:
                  f"evaluation reports {sorted(metrics)}; pick one")
         return metrics[ckpt.best_metric]
 
-    def _resume(self) -> int:
-        """Load the newest complete checkpoint; return the epoch to continue in."""
+    def _resume(self) -> tuple[int, int]:
+        """Load the newest complete checkpoint; return (epoch, steps already done in it)."""
         path, _ = self.strategy.load_ckpt(self.model, dataloader=self.train_dataloader)
         if path is None:
             where = self.strategy.checkpoint.ckpt_path
             self.strategy.print(f"[ckpt] nothing to resume in {where}; starting fresh")
-            return 0
+            return 0, 0
         state = self.strategy.resume_state
         self.global_step = state.global_step
         self.strategy.print(f"[ckpt] resumed {path} at step {self.global_step}")
-        return state.epoch
+        return state.epoch, state.epoch_consumed // self.strategy.config.train_batch_size

@@ -28,25 +28,44 @@ def log_softmax_gather(logits: torch.Tensor,
     return logp * mask, mask
 
 
+def _mean_pair(values: torch.Tensor) -> tuple[float, int]:
+    """A metric as (sum, count), so means over many micro-batches and ranks stay exact."""
+    return values.float().sum().item(), values.numel()
+
+
+def pairwise_losses(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Per-pair Bradley-Terry losses, and accuracy and margin as (sum, count) pairs."""
+    margin = chosen - rejected
+    return -F.logsigmoid(margin), {"accuracy": _mean_pair(margin > 0),
+                                   "reward_margin": _mean_pair(margin.detach())}
+
+
 def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """The Bradley-Terry loss and how often the chosen response scores higher."""
-    loss = -F.logsigmoid(chosen - rejected).mean()
-    return loss, {"accuracy": (chosen > rejected).float().mean().item(),
-                  "reward_margin": (chosen - rejected).mean().item()}
+    """The mean Bradley-Terry loss and how often the chosen response scores higher."""
+    losses, metrics = pairwise_losses(chosen, rejected)
+    return losses.mean(), {key: total / count for key, (total, count) in metrics.items()}
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float,
-             label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict]:
-    """DPO (conservative with ``label_smoothing``) from policy/reference log-probs of the chosen
-    and rejected responses."""
+def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
+               ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, beta: float,
+               label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Per-pair DPO losses (conservative with ``label_smoothing``) from policy/reference
+    log-probs of the chosen and rejected responses; metrics as (sum, count) pairs."""
     logits = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
     losses = (-F.logsigmoid(beta * logits) * (1 - label_smoothing)
               - F.logsigmoid(-beta * logits) * label_smoothing)
     chosen_reward = beta * (policy_chosen - ref_chosen).detach()
     rejected_reward = beta * (policy_rejected - ref_rejected).detach()
-    accuracy = (chosen_reward > rejected_reward).float().mean().item()
-    return losses.mean(), {"reward_accuracy": accuracy,
-                           "reward_margin": (chosen_reward - rejected_reward).mean().item(),
-                           "chosen_reward": chosen_reward.mean().item(),
-                           "rejected_reward": rejected_reward.mean().item()}
+    return losses, {"reward_accuracy": _mean_pair(chosen_reward > rejected_reward),
+                    "reward_margin": _mean_pair(chosen_reward - rejected_reward),
+                    "chosen_reward": _mean_pair(chosen_reward),
+                    "rejected_reward": _mean_pair(rejected_reward)}
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float,
+             label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """The mean DPO loss over pairs, with mean metrics."""
+    losses, metrics = dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta,
+                                 label_smoothing)
+    return losses.mean(), {key: total / count for key, (total, count) in metrics.items()}

@@ -95,9 +95,8 @@ class Run:
         eval_loader = None
         if self.data.eval_dataset:
             held = load(self.data.eval_dataset, self.tokenizer, self.data)
-            eval_loader = self.strategy.setup_dataloader(held, config.micro_eval_batch_size,
-                                                         shuffle=False, collate_fn=collate,
-                                                         drop_last=False)
+            eval_loader = self.strategy.setup_eval_dataloader(held, config.micro_eval_batch_size,
+                                                              collate_fn=collate)
         return train_loader, eval_loader
 
     def trainer(self, cls: type, model, kind: str = "sft", **kwargs: Any):
