@@ -1,14 +1,23 @@
-"""Streamed ``save_model`` against the whole-state-dict export at 2 ranks, ZeRO-3.
+"""Exports compared side by side: streamed against whole-state-dict, live and offline.
 
-    flock /tmp/heavy.lock python benchmarks/bench_export.py \
-        [--hidden 2048 --layers 8 --shard 200MB]
+    flock /tmp/heavy.lock python benchmarks/bench_export.py live [--hidden 2048 --layers 8]
+    flock /tmp/heavy.lock python benchmarks/bench_export.py offline [--hidden 2048 --layers 3]
 
-The default model is a LLaMA of ~1.07 GB in bf16 (the largest tensor is the 131 MB embedding).
-Each path is timed on rank 0 between barriers, while a thread samples rank 0's RSS every ~1 ms;
-"growth" is the peak minus the RSS just before the save. The streamed path runs first, and
-freed memory is trimmed back to the OS before each measurement, so neither path inherits the
-other's heap. The whole-state-dict path is what the anchors do:
-``engine._consolidated_16bit_state_dict()`` then rank 0 ``save_pretrained``.
+``live``: ``save_model`` from a ZeRO-3 engine at 2 ranks against what the anchors do
+(``engine._consolidated_16bit_state_dict()`` then rank 0 ``save_pretrained``), a ~1.07 GB bf16
+LLaMA (largest tensor: the 131 MB embedding). Each path is timed on rank 0 between barriers while a
+thread samples rank 0's RSS every ~1 ms; "growth" is the peak minus the RSS just before the save.
+
+``offline``: a real checkpoint written by ``save_ckpt`` at 2 ranks (bf16 training, one optimizer
+step), ZeRO-3 and ZeRO-2, of a ~1.13 GB-in-fp32 LLaMA (3 wide layers; largest tensor the 262 MB
+fp32 embedding), turned into fp32 safetensors of at most ``--shard`` each by
+(a) ``python -m strategy.export`` and (b) DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``
+then ``save_pretrained`` of a model built on the meta device with those tensors assigned (no
+second copy). Each run is a fresh process; the two alternate (first one, then the other first)
+for ``--rounds`` rounds. Inside the child, after the imports, freed memory is trimmed, the peak
+(``VmHWM``) is reset through ``/proc/self/clear_refs`` and the baseline RSS read; "growth" is the
+final ``VmHWM`` minus that baseline, "time" the export alone. The bound the streamed export must
+meet is one shard + the largest fp32 tensor + 10%. The outputs of (a) and (b) are checked equal.
 """
 
 from __future__ import annotations
@@ -16,8 +25,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import json
 import os
+import re
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -27,9 +40,12 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+MB = 1e6
+PATHS = {"strategy": "python -m strategy.export", "deepspeed": "zero_to_fp32 + save_pretrained"}
 
 
 def rss() -> int:
@@ -37,12 +53,45 @@ def rss() -> int:
         return int(f.read().split()[1]) * PAGE
 
 
+def trim() -> None:
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def rank_env(rank: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+
+
+def llama_config(args):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=32000, hidden_size=args.hidden,
+                       intermediate_size=args.hidden * 43 // 16, num_hidden_layers=args.layers,
+                       num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False)
+
+
+def make_strategy(stage: int):
+    from strategy import DeepSpeedStrategy, StrategyConfig
+
+    persistence = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    overrides = persistence if stage == 3 else {}
+    cfg = StrategyConfig(zero_stage=stage, bf16=True, micro_train_batch_size=1, train_batch_size=2,
+                         seed=1, ds_config_overrides=overrides)
+    strategy = DeepSpeedStrategy(cfg)
+    strategy.setup_distributed()
+    return strategy
+
+
+# ------------------------------------------------------------ live: save_model vs consolidated
+
+
 class PeakRSS:
     """Samples this process's RSS on a thread; ``growth`` is the peak over the baseline."""
 
     def __enter__(self) -> PeakRSS:
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        trim()
         self.base = self.peak = rss()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -78,42 +127,13 @@ def whole_state_dict_save(engine, out: Path, shard: str) -> None:
     del state
 
 
-def rank_main(rank: int, port: int, args) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
-    from transformers import LlamaConfig
-
-    from strategy import DeepSpeedStrategy, StrategyConfig
+def live_rank(rank: int, port: int, args) -> None:
+    rank_env(rank, port)
     from strategy.export import save_model
     from strategy.export.shards import parse_size
 
-    cfg = StrategyConfig(
-        zero_stage=3,
-        bf16=True,
-        micro_train_batch_size=1,
-        train_batch_size=2,
-        seed=1,
-        ds_config_overrides={"zero_optimization": {"stage3_param_persistence_threshold": 0}},
-    )
-    s = DeepSpeedStrategy(cfg)
-    s.setup_distributed()
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 43 // 16,
-        num_hidden_layers=args.layers,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        tie_word_embeddings=False,
-    )
-    engine = s.prepare(s.from_pretrained(config))
+    s = make_strategy(3)
+    engine = s.prepare(s.from_pretrained(llama_config(args)))
     sizes = [p.ds_numel * p.element_size() for p in engine.module.parameters()]
     root = Path(args.out)
     streamed = measure(
@@ -122,26 +142,20 @@ def rank_main(rank: int, port: int, args) -> None:
     whole = measure(s, lambda: whole_state_dict_save(engine, root / "whole", args.shard))
     s.close()
     if rank == 0:
-        report(streamed, whole, sum(sizes), max(sizes), parse_size(args.shard), root)
+        live_report(streamed, whole, sum(sizes), max(sizes), parse_size(args.shard), root)
 
 
-def report(streamed, whole, total: int, largest: int, shard: int, root: Path) -> None:
-    mb = 1e6
-    print(
-        f"model {total / mb:.0f} MB in bf16, largest tensor {largest / mb:.0f} MB, max_shard_size "
-        f"{shard / mb:.0f} MB, 2 ranks, ZeRO-3"
-    )
+def live_report(streamed, whole, total: int, largest: int, shard: int, root: Path) -> None:
+    print(f"model {total / MB:.0f} MB in bf16, largest tensor {largest / MB:.0f} MB, "
+          f"max_shard_size {shard / MB:.0f} MB, 2 ranks, ZeRO-3")
     for name, (wall, growth) in (("streamed save_model", streamed), ("whole state dict", whole)):
-        print(f"{name:>20}: {wall:7.2f} s   peak rank-0 RSS growth {growth / mb:8.0f} MB")
+        print(f"{name:>20}: {wall:7.2f} s   peak rank-0 RSS growth {growth / MB:8.0f} MB")
     limit = (shard + largest) * 1.1
-    print(
-        f"ratios streamed/whole: time {streamed[0] / whole[0]:.2f}x, "
-        f"RSS growth {streamed[1] / whole[1]:.2f}x"
-    )
-    print(
-        f"target RSS growth <= {limit / mb:.0f} MB: {'met' if streamed[1] <= limit else 'MISSED'}; "
-        f"target time <= 1.1x: {'met' if streamed[0] <= 1.1 * whole[0] else 'MISSED'}"
-    )
+    print(f"ratios streamed/whole: time {streamed[0] / whole[0]:.2f}x, "
+          f"RSS growth {streamed[1] / whole[1]:.2f}x")
+    print(f"target RSS growth <= {limit / MB:.0f} MB: "
+          f"{'met' if streamed[1] <= limit else 'MISSED'}; "
+          f"target time <= 1.1x: {'met' if streamed[0] <= 1.1 * whole[0] else 'MISSED'}")
     check_same(root / "streamed", root / "whole")
 
 
@@ -149,41 +163,171 @@ def check_same(a: Path, b: Path) -> None:
     """Both exports hold the same tensors (read one shard file at a time)."""
     from safetensors import safe_open
 
-    def tensors(d: Path):
-        for f in sorted(d.glob("*.safetensors")):
-            with safe_open(f, "pt") as sf:
-                for k in sf.keys():
-                    yield k, sf.get_tensor(k)
-
     other = {}
     for f in sorted(b.glob("*.safetensors")):
         with safe_open(f, "pt") as sf:
             other.update({k: f for k in sf.keys()})
-    n = 0
-    for k, v in tensors(a):
-        with safe_open(other.pop(k), "pt") as sf:
-            assert torch.equal(sf.get_tensor(k), v), k
-        n += 1
-    assert not other, f"only in the whole-state-dict export: {sorted(other)[:5]}"
-    print(f"both exports hold the same {n} tensors")
+    count = 0
+    for f in sorted(a.glob("*.safetensors")):
+        with safe_open(f, "pt") as sf:
+            for k in sf.keys():
+                with safe_open(other.pop(k), "pt") as theirs:
+                    assert torch.equal(theirs.get_tensor(k), sf.get_tensor(k)), k
+                count += 1
+    assert not other, f"only in {b}: {sorted(other)[:5]}"
+    print(f"both exports hold the same {count} tensors")
+
+
+# ------------------------------------------------------------ offline: checkpoint -> HF directory
+
+
+def checkpoint_rank(rank: int, port: int, args, stage: int, ckpt: str) -> None:
+    """One optimizer step (so Adam's moments are in the files too), then ``save_ckpt``."""
+    rank_env(rank, port)
+    s = make_strategy(stage)
+    model = s.from_pretrained(llama_config(args))
+    optimizer = s.create_optimizer(model)
+    engine = s.prepare((model, optimizer, None))
+    ids = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(rank))
+    s.backward(engine(input_ids=ids, labels=ids).loss, engine)
+    s.optimizer_step(engine)
+    s.save_ckpt(engine, ckpt, tag="bench")
+    s.close()
+
+
+def status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def reset_peak() -> None:
+    """Set ``VmHWM`` back to the current RSS (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def deepspeed_export(ckpt: str, out: str, shard: str) -> None:
+    """DeepSpeed's recipe: the whole fp32 state dict, then ``save_pretrained``; the model is built
+    on the meta device and takes the state dict's tensors, so nothing is held twice."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tag = (Path(ckpt) / "latest").read_text().strip()
+    state = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag=tag)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(Path(ckpt) / tag),
+                                                 dtype=torch.float32)
+    model.load_state_dict(state, assign=True)
+    del state
+    model.save_pretrained(out, max_shard_size=shard)
+
+
+def child(path: str, ckpt: str, out: str, shard: str) -> None:
+    """One measured export in this fresh process; the last line of stdout is the result."""
+    import deepspeed.utils.zero_to_fp32  # noqa: F401 - both paths pay for the same imports
+    import transformers  # noqa: F401
+
+    from strategy.export.offline import main as strategy_export
+
+    trim()
+    reset_peak()
+    base = status_kb("VmRSS")
+    start = time.perf_counter()
+    if path == "strategy":
+        strategy_export([ckpt, out, "--max_shard_size", shard])
+    else:
+        deepspeed_export(ckpt, out, shard)
+    wall = time.perf_counter() - start
+    growth = (status_kb("VmHWM") - base) * 1024
+    print("RESULT " + json.dumps({"wall": wall, "growth": growth}), flush=True)
+
+
+def run_child(path: str, ckpt: Path, out: Path, shard: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, __file__, "_child", path, str(ckpt), str(out), shard],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise SystemExit(f"{PATHS[path]} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("RESULT "))
+
+
+def model_sizes(ckpt: Path) -> tuple[int, int]:
+    """(fp32 bytes of every tensor, of the largest), from the checkpoint's metadata alone."""
+    from strategy.export.zero_reader import ZeroCheckpoint
+
+    with ZeroCheckpoint(ckpt / "bench") as checkpoint:
+        sizes = [info.numel * 4 for info in checkpoint.index.values()]
+    return sum(sizes), max(sizes)
+
+
+def offline(args) -> None:
+    from strategy.dist import free_port
+    from strategy.export.shards import parse_size
+
+    root = Path(args.out)
+    results = {}
+    for stage in args.stages:
+        ckpt = root / f"zero{stage}"
+        mp.spawn(checkpoint_rank, args=(free_port(), args, stage, str(ckpt)), nprocs=2, join=True)
+        runs = {path: [] for path in PATHS}
+        for round_no in range(args.rounds):
+            order = list(PATHS) if round_no % 2 == 0 else list(PATHS)[::-1]
+            for path in order:
+                runs[path].append(run_child(path, ckpt, root / f"out-{path}", args.shard))
+            if round_no == 0:
+                check_same(root / "out-strategy", root / "out-deepspeed")
+            for path in PATHS:
+                shutil.rmtree(root / f"out-{path}")
+        results[stage] = (runs, *model_sizes(ckpt))
+        shutil.rmtree(ckpt)
+    offline_report(results, parse_size(args.shard), args.rounds)
+
+
+def _median_spread(values: list[float], scale: float) -> str:
+    values = [v / scale for v in values]
+    return f"{statistics.median(values):8.1f} [{min(values):.1f}-{max(values):.1f}]"
+
+
+def offline_report(results: dict, shard: int, rounds: int) -> None:
+    print(f"\noffline export, fp32 output, max_shard_size {shard / MB:.0f} MB, {rounds} rounds "
+          "each (fresh processes, alternated); median [min-max]")
+    print(f"{'stage':<7}{'path':<33}{'time s':>22}{'peak RSS growth MB':>28}  bound MB  met")
+    for stage, (runs, total, largest) in results.items():
+        bound = (shard + largest) * 1.1
+        print(f"ZeRO-{stage} model {total / MB:.0f} MB fp32, largest tensor {largest / MB:.0f} MB")
+        for path, label in PATHS.items():
+            walls = [run["wall"] for run in runs[path]]
+            growths = [run["growth"] for run in runs[path]]
+            met = "yes" if max(growths) <= bound else "NO"
+            print(f"{'':<7}{label:<33}{_median_spread(walls, 1):>22}"
+                  f"{_median_spread(growths, MB):>28}  {bound / MB:8.0f}  "
+                  f"{met if path == 'strategy' else '-'}")
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_child":
+        child(*sys.argv[2:6])
+        return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("mode", nargs="?", default="live", choices=["live", "offline"])
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=None, help="default: 8 live, 3 offline")
     p.add_argument("--shard", default="200MB")
-    p.add_argument(
-        "--out", default=None, help="where the two exports go (default: a temporary directory)"
-    )
+    p.add_argument("--rounds", type=int, default=3, help="offline: runs of each path per stage")
+    p.add_argument("--stages", type=int, nargs="+", default=[3, 2], help="offline: ZeRO stages")
+    p.add_argument("--out", default=None, help="working directory (default: a temporary one)")
     args = p.parse_args()
+    args.layers = args.layers or (8 if args.mode == "live" else 3)
     tmp = None
     if args.out is None:
         args.out = tmp = tempfile.mkdtemp(prefix="bench_export_")
     from strategy.dist import free_port
 
     try:
-        mp.spawn(rank_main, args=(free_port(), args), nprocs=2, join=True)
+        if args.mode == "live":
+            mp.spawn(live_rank, args=(free_port(), args), nprocs=2, join=True)
+        else:
+            offline(args)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -5,14 +5,17 @@
 # Env: OUT (output dir, default outputs/default), SKIP_SETUP=1 (already installed), MASTER_PORT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ "${SKIP_SETUP:-0}" = 1 ] || bash .ci/setup
+start=$SECONDS
+[ "${SKIP_SETUP:-0}" = 1 ] || bash .ci/setup default
 export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1 PYTHONPATH="$PWD"
 OUT=${OUT:-outputs/default}
 rm -rf "$OUT"
 python -m strategy.demos.toy_task make "$OUT/data"
-deepspeed --num_gpus 2 --master_port "${MASTER_PORT:-29531}" examples/train_default.py --config configs/default.yaml \
-    --tokenizer "$OUT/data/tokenizer" --dataset "$OUT/data/train.jsonl" --eval_dataset "$OUT/data/test.jsonl" \
+deepspeed --num_gpus 2 --master_port "${MASTER_PORT:-29531}" examples/train_default.py \
+    --config configs/default.yaml --tokenizer "$OUT/data/tokenizer" \
+    --dataset "$OUT/data/train.jsonl" --eval_dataset "$OUT/data/test.jsonl" \
     --save_path "$OUT/model" --ckpt_path "$OUT/ckpt" --log_dir "$OUT/logs"
-python -m strategy.demos.toy_task evaluate "$OUT/model" "$OUT/data/test.jsonl" --compare "$OUT/answers.jsonl" \
-    --min_accuracy "${MIN_ACCURACY:-0.5}"
+python -m strategy.demos.toy_task evaluate "$OUT/model" "$OUT/data/test.jsonl" \
+    --compare "$OUT/answers.jsonl" --min_accuracy "${MIN_ACCURACY:-0.5}"
 echo "logs: $OUT/logs (TensorBoard events, metrics.jsonl, loss_curve.png)"
+echo "[default run] done in $((SECONDS - start)) s (install, ops, data, training, reload)"

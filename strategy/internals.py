@@ -25,7 +25,7 @@ from deepspeed.checkpoint import ds_to_universal
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.ops.adam.multi_tensor_apply import MultiTensorApply
 from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
-from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 from pydantic import ValidationError
@@ -130,8 +130,9 @@ def default_store() -> Any:
 
 
 def deepspeed_checkpoint_globals() -> list[type]:
-    """The non-tensor classes DeepSpeed pickles into its ``.pt`` checkpoint files."""
-    return [LossScaler, ZeroStageEnum, fragment_address]
+    """The non-tensor classes DeepSpeed pickles into its ``.pt`` checkpoint files (the dynamic
+    loss scaler with fp16 training)."""
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 @contextmanager
@@ -139,7 +140,7 @@ def weights_only_torch_load(on_refusal: Callable[[Any, str], Exception]) -> Iter
     """Monkeypatch: DeepSpeed calls ``torch.load(weights_only=False)`` inside ``load_checkpoint``
     and ``ds_to_universal`` with no way to change it; within the block every ``torch.load`` runs
     with ``weights_only=True`` and only DeepSpeed's own classes allowed. A refused file raises
-    ``on_refusal(file, reason)``."""
+    ``on_refusal(file, torch's message)``."""
     original, allowed = torch.load, deepspeed_checkpoint_globals()
 
     def safe_load(f, *args, **kwargs):
@@ -148,7 +149,7 @@ def weights_only_torch_load(on_refusal: Callable[[Any, str], Exception]) -> Iter
             try:
                 return original(f, *args, **kwargs)
             except pickle.UnpicklingError as exc:
-                raise on_refusal(f, str(exc).strip().splitlines()[0][:200]) from None
+                raise on_refusal(f, str(exc)) from None
 
     torch.load = safe_load
     try:

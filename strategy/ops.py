@@ -1,30 +1,81 @@
-"""Build DeepSpeed's C++ ops once, ahead of a run: ``python -m strategy.ops``.
+"""Build DeepSpeed's C++ ops ahead of a run, only those a job uses, in parallel:
+``python -m strategy.ops [default|tests|all]``.
 
-Otherwise they JIT-compile inside the first job that needs them (about a minute each on CPU).
+Otherwise they JIT-compile inside the first job that needs them (about a minute each on a CPU),
+silently. Each op builds in its own process (its own lock and build directory), up to ``--jobs``
+at a time, with a line when it starts and when it finishes.
+
+- ``default``: what the main job uses: FusedAdam (its optimizer) and, on the CPU accelerator, the
+  shared-memory allreduce that ``deepspeed.init_distributed`` builds under the deepspeed launcher.
+- ``tests``: also DeepSpeedCPUAdam (offload, HybridAdam) and async_io (NVMe state files; only where
+  Debian's libaio-dev is installed).
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from deepspeed.accelerator import get_accelerator
 
+DEFAULT = ("FusedAdamBuilder", "ShareMemCommBuilder")
+TESTS = ("FusedAdamBuilder", "ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
+SETS = {"default": DEFAULT, "tests": TESTS, "all": TESTS}
+_BUILD_ONE = ("import sys; from deepspeed.accelerator import get_accelerator; "
+              "get_accelerator().create_op_builder(sys.argv[1]).load(verbose=False)")
 
-def build_ops() -> list[str]:
-    # async_io: only where libaio exists
-    names = ["CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder"]
-    if get_accelerator().device_name() == "cpu":
-        names.append("ShareMemCommBuilder")
-    built = []
+
+def buildable(names: tuple[str, ...]) -> list[str]:
+    """The ops of ``names`` this machine can build (async_io needs libaio; shm_comm is CPU-only)."""
+    out = []
     for name in names:
-        builder = get_accelerator().create_op_builder(name)
-        if builder is None or not builder.is_compatible(verbose=False):
+        if name == "ShareMemCommBuilder" and get_accelerator().device_name() != "cpu":
             continue
-        start = time.time()
-        builder.load(verbose=False)
-        built.append(f"{builder.NAME} ({time.time() - start:.0f}s)")
-    return built
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible(verbose=False):
+            out.append(name)
+    return out
+
+
+def _build(name: str, jobs: int) -> tuple[str, float, str]:
+    op = get_accelerator().create_op_builder(name).NAME
+    start = time.monotonic()
+    print(f"[ops] {op}: started {time.strftime('%H:%M:%S')}", flush=True)
+    env = {**os.environ, "MAX_JOBS": str(max(1, (os.cpu_count() or 2) // jobs))}
+    proc = subprocess.run([sys.executable, "-c", _BUILD_ONE, name], env=env, capture_output=True,
+                          text=True)
+    seconds = time.monotonic() - start
+    status = "finished" if proc.returncode == 0 else "FAILED"
+    print(f"[ops] {op}: {status} {time.strftime('%H:%M:%S')} ({seconds:.0f} s)", flush=True)
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] if proc.returncode else []
+    return op, seconds, tail[0] if tail else ""
+
+
+def build_ops(which: str = "tests", jobs: int = 2) -> list[tuple[str, float, str]]:
+    """Build the ``which`` set, ``jobs`` ops at a time; (op, seconds, error or "") per op."""
+    names = buildable(SETS[which])
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(lambda name: _build(name, jobs), names))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m strategy.ops",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("which", nargs="?", default="tests", choices=sorted(SETS))
+    parser.add_argument("--jobs", type=int, default=2, help="ops built at the same time")
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    results = build_ops(args.which, args.jobs)
+    failed = [f"{op}: {error}" for op, _, error in results if error]
+    print(f"[ops] {args.which}: {len(results) - len(failed)} of {len(results)} ops ready in "
+          f"{time.monotonic() - start:.0f} s", flush=True)
+    if failed:
+        raise SystemExit("[ops] failed: " + "; ".join(failed))
 
 
 if __name__ == "__main__":
-    print("DeepSpeed ops ready:", ", ".join(build_ops()))
+    main()

@@ -389,93 +389,71 @@ def test_scan_groups_hf_exports_with_their_checkpoint(tmp_path):
 # ------------------------------------------------------------ kill test: real processes, SIGKILL
 # mid-save
 
-KILLS = 10
 WORKER = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_worker.py")
+# where a save can die, in order, and whether the save in flight is the one a restart must load
+MARKERS = [("before_files", False), ("mid_shard", False), ("shards_done", False),
+           ("mid_publish", False), ("published", True)]
 
 
-def _start_worker(ckpt_dir: str, max_saves: int | None = None) -> subprocess.Popen:
+def _start_worker(ckpt_dir: str, max_saves: int | None = None,
+                  pause_at: str | None = None) -> subprocess.Popen:
     from strategy.dist import free_port
 
-    env = {
-        **os.environ,
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+           "PAUSE_AT": pause_at or ""}
     env.pop("LOCAL_SIZE", None)
     args = [sys.executable, WORKER, ckpt_dir] + ([str(max_saves)] if max_saves else [])
-    return subprocess.Popen(
-        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
-def _read_until(proc: subprocess.Popen, prefix: str, log: list[str], timeout: float = 240) -> str:
+def _read_until(proc: subprocess.Popen, prefix: str, log: list[str], timeout: float = 240) -> list:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
-            raise AssertionError(
-                f"worker exited ({proc.wait()}) before {prefix!r}:\n" + "".join(log[-40:])
-            )
+            raise AssertionError(f"worker exited ({proc.wait()}) before {prefix!r}:\n"
+                                 + "".join(log[-40:]))
         log.append(line)
         if line.startswith(prefix):
             return line.split()[1:]
     raise AssertionError(f"no {prefix!r} within {timeout}s")
 
 
-def _resumable_steps(lines: list[str]) -> set[int]:
-    """The last completed save, plus the save in flight when killed (it may have been published
-    already)."""
-    steps = [
-        (ln.split()[0], int(ln.split()[1])) for ln in lines if ln.startswith(("SAVING", "SAVED"))
-    ]
-    done = [k for what, k in steps if what == "SAVED"]
-    out = {done[-1]}
-    if steps[-1][0] == "SAVING":
-        out.add(steps[-1][1])
-    return out
-
-
 @pytest.mark.slow
 def test_killed_save_leaves_last_complete_checkpoint(tmp_path):
-    """SIGKILL the saving process at moments spread over a save, KILLS times; each restart must load
-    the last complete checkpoint (the worker checks its weights digest and step) and train on."""
+    """SIGKILL the saving process at each point a save passes through (the worker stops at a marker
+    it prints from inside the save); each restart must load the last complete checkpoint (the
+    worker checks its weights digest and step) and train on."""
     ckpt = str(tmp_path / "ckpt")
     staging = os.path.join(ckpt, ".incomplete")
-    rng = random.Random(0)
-    allowed, save_s, mid_save, log = {0}, 0.5, 0, []
-    for i in range(KILLS):
-        proc = _start_worker(ckpt)
+    expected, log, seen = 0, [], set()
+    for marker, in_flight_complete in MARKERS:
+        proc = _start_worker(ckpt, pause_at=marker)
         try:
             resumed = int(_read_until(proc, "RESUMED", log)[0])
-            assert resumed in allowed, (
-                f"kill {i}: resumed step {resumed}, expected one of {allowed}"
-            )
-            _, took = _read_until(proc, "SAVED", log)  # the run trains and saves after the resume
-            save_s = float(took)
-            _read_until(proc, "SAVING", log)
-            time.sleep(
-                save_s * (0.05 + 0.95 * i / (KILLS - 1)) * rng.uniform(0.9, 1.1)
-            )  # ~5% .. ~100% into a save
+            assert resumed == expected, f"{marker} kill: resumed {resumed}, not {expected}"
+            done = int(_read_until(proc, "SAVED", log)[0])  # a first save completes
+            _read_until(proc, "PAUSED", log)  # the second stops inside, at the marker
+            in_flight = int([ln for ln in log if ln.startswith(f"MARK {marker}")][-1].split()[2])
+            seen.add(marker)
+            left_partial = os.path.isdir(staging) and bool(os.listdir(staging))
         finally:
             proc.kill()
-            rest = proc.stdout.read().splitlines()
             proc.wait()
-        allowed = _resumable_steps(log + rest)
-        mid_save += bool(os.path.isdir(staging) and os.listdir(staging))
+        expected = in_flight if in_flight_complete else done
+        if marker != "before_files":
+            assert left_partial or marker == "published", f"{marker}: nothing was staged?"
+    assert seen == {name for name, _ in MARKERS}, f"markers never reached: {seen}"
     proc = _start_worker(ckpt, max_saves=2)
     resumed = int(_read_until(proc, "RESUMED", log)[0])
-    assert resumed in allowed, f"resumed step {resumed}, expected one of {allowed}"
+    assert resumed == expected, f"resumed step {resumed}, expected {expected}"
     _read_until(proc, "DONE", log)
     assert proc.wait(timeout=60) == 0
     assert os.listdir(staging) == [], "the partial directory of a killed save was not cleaned"
     kept = sorted(n for n in os.listdir(ckpt) if n.startswith("global_step"))
     assert len(kept) == 2 and f"global_step{resumed + 2}" in kept, kept
-    print(f"{KILLS} kills, {mid_save} left a partial save behind; last save took {save_s:.2f}s")
-    assert mid_save >= KILLS // 3, f"only {mid_save} of {KILLS} kills landed inside a save"
 
 
 # ------------------------------------------------------------ another world size (universal
@@ -597,3 +575,76 @@ def test_retention_max_num_best_k_and_max_mem(ranks, tmp_path):
     )
     # a tiny max_mem leaves only the newest checkpoint (its export is written after the save)
     assert listings[4] == ["global_step5", "global_step5_hf", "latest"]
+
+
+# ------------------------------------------------------------ re-saved tags, pickle payloads
+
+
+class _Payload:
+    """Unpickling this would create a file (what a crafted checkpoint could do instead)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _digests(path: str) -> dict[str, str]:
+    import hashlib
+
+    return {os.path.relpath(os.path.join(d, f), path):
+            hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()
+            for d, _, files in os.walk(path) for f in files}
+
+
+def resave_and_payload(ckpt_dir: str, marker: str) -> dict:
+    import strategy.checkpoint.save as save_module
+    from strategy.errors import CheckpointFileError
+
+    s = make_strategy(2, micro=2, total=4)
+    model = s.from_pretrained(tiny_llama())
+    optimizer = s.create_optimizer(model)
+    engine = s.prepare((model, optimizer, None))
+    x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(s.rank))
+
+    def step() -> None:
+        s.backward(engine(input_ids=x, labels=x).loss, engine)
+        s.optimizer_step(engine)
+
+    step()
+    path = s.save_ckpt(engine, ckpt_dir, tag="kept")
+    before = _digests(path)
+    step()
+    publish_dir = save_module.publish_dir
+
+    def dies_before_the_swap(*args):
+        raise OSError("injected: the disk went away before the swap")
+
+    save_module.publish_dir = dies_before_the_swap
+    try:
+        with pytest.raises(OSError, match="injected"):  # on every rank
+            s.save_ckpt(engine, ckpt_dir, tag="kept")
+    finally:
+        save_module.publish_dir = publish_dir
+    unchanged = _digests(path) == before
+    s.save_ckpt(engine, ckpt_dir, tag="kept")  # now it goes through: replaced whole
+    replaced = _digests(path) != before
+    if s.is_rank_0:
+        states = os.path.join(path, "mp_rank_00_model_states.pt")
+        saved = torch.load(states, weights_only=False)
+        saved["extra"] = _Payload(marker)
+        torch.save(saved, states)
+    s.barrier()
+    with pytest.raises(CheckpointFileError, match="mp_rank_00_model_states.pt: refused"):
+        s.load_ckpt(engine, ckpt_dir)  # every rank refuses, none unpickles
+    s.close()
+    return {"unchanged": unchanged, "replaced": replaced, "marker": os.path.exists(marker)}
+
+
+def test_resaved_tag_stays_whole_and_pickle_payload_is_refused(ranks, tmp_path):
+    marker = str(tmp_path / "payload-ran")
+    out = ranks.run(resave_and_payload, str(tmp_path / "ckpt"), marker)
+    assert all(o["unchanged"] for o in out), "a failed re-save touched the earlier checkpoint"
+    assert all(o["replaced"] for o in out), "the successful re-save did not replace it"
+    assert not os.path.exists(marker) and not any(o["marker"] for o in out), "the payload ran"

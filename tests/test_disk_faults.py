@@ -59,13 +59,34 @@ def test_missing_shard_names_the_index(sharded):
         _load(path)
 
 
+def _mount_small_disk(mnt, size: int) -> bool:
+    """A filesystem of ``size`` bytes at ``mnt``: a tmpfs, or where tmpfs cannot be mounted, an
+    ext4 image on a loop device (a real block-backed filesystem that fills up)."""
+    tmpfs = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)]
+    if subprocess.run(tmpfs, capture_output=True).returncode == 0:
+        return True
+    image = f"{mnt}.img"
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", image, str(max(size // 1024, 512))],
+                          capture_output=True).returncode == 0
+    return made and subprocess.run(["mount", "-o", "loop", image, str(mnt)]).returncode == 0
+
+
+def _digests(root) -> dict[str, str]:
+    """What an export or checkpoint holds, file by file (contents, not sizes)."""
+    import hashlib
+
+    return {os.path.relpath(os.path.join(d, f), root):
+            hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()
+            for d, _, files in os.walk(root) for f in files}
+
+
 @pytest.fixture()
 def small_disk(tmp_path):
-    """A 600 KB tmpfs: room for one tiny export, not for a second beside it."""
+    """A 600 KB filesystem: room for one tiny export, not for a second beside it."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
+    if not _mount_small_disk(mnt, 600 * 1024):
+        pytest.skip("cannot mount a tmpfs or a loop device here (needs root)")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)])
 
@@ -77,17 +98,14 @@ def save_model_on_full_disk(out: str, stage: int) -> str:
     model = s.from_pretrained(tiny_llama(hidden_size=64, intermediate_size=128))
     engine = s.prepare((model, s.create_optimizer(model), None))
     s.save_model(engine, None, out)  # fits: ~0.4 MB of fp32 weights
-    before = (
-        {f: os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)} if s.is_rank_0 else {}
-    )
+    before = _digests(out) if s.is_rank_0 else {}
     big = s.from_pretrained(tiny_llama(hidden_size=64, intermediate_size=256))
     big_engine = s.prepare((big, s.create_optimizer(big), None))
     with pytest.raises(RuntimeError) as err:
         s.save_model(big_engine, None, out)  # the copy beside the old one runs out of space
     s.close()  # drop the ZeRO-3 construction hook before a rank-0-only reload
     if s.is_rank_0:
-        after = {f: os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)}
-        assert after == before, "the previous export changed"
+        assert _digests(out) == before, "the previous export changed"
         reloaded = AutoModelForCausalLM.from_pretrained(out)
         assert reloaded.config.intermediate_size == 128
         assert [
@@ -125,8 +143,10 @@ def checkpoint_size(save_dir: str, stage: int) -> int:
 def save_ckpt_on_full_disk(save_dir: str, stage: int) -> str:
     s, engine = _trained_engine(stage)
     first = s.save_ckpt(engine, save_dir, tag="first")
+    before = _digests(first)
     with pytest.raises(RuntimeError) as err:
         s.save_ckpt(engine, save_dir, tag="second")
+    assert _digests(first) == before, "the earlier checkpoint's files changed"
     path, _ = s.load_ckpt(engine, save_dir)
     assert path == first and s.resume_state.tag == "first"  # the earlier checkpoint still loads
     s.close()
@@ -138,10 +158,8 @@ def test_save_ckpt_on_full_disk_keeps_previous(ranks, tmp_path, stage):
     size = ranks.run(checkpoint_size, str(tmp_path / "probe"), stage)[0]
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    if subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.5)}", "tmpfs", str(mnt)]
-    ).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
+    if not _mount_small_disk(mnt, int(size * 1.5)):
+        pytest.skip("cannot mount a tmpfs or a loop device here (needs root)")
     try:
         messages = ranks.run(save_ckpt_on_full_disk, str(mnt / "ckpt"), stage, timeout=120)
     finally:

@@ -38,7 +38,13 @@ def rank_helpers() -> None:
         s.print("hello", r)
     assert buf.getvalue() == ("hello 0\n" if r == 0 else "")
     s.barrier()
+    import sys
+
+    from strategy import dist
+
+    hooked = sys.excepthook is dist._failure_hook  # setup_distributed installs it
     s.close()
+    assert hooked and sys.excepthook is not dist._failure_hook, "close() must remove the hook"
 
 
 def test_rank_helpers(ranks):
@@ -105,3 +111,21 @@ def loader_and_eval_engine(stage: int) -> None:
 def test_dataloader_and_eval_engine(ranks):
     for stage in (2, 3):
         ranks.run(loader_and_eval_engine, stage)
+
+
+def test_failure_hook_chains_to_the_previous_hook_and_is_removed(monkeypatch):
+    import sys
+
+    from strategy import dist
+
+    calls = []
+    monkeypatch.setattr(sys, "excepthook", lambda *args: calls.append(args[0]))
+    previous = sys.excepthook
+    monkeypatch.setattr(dist.os, "_exit", lambda code: calls.append(("exit", code)))
+    dist.install_failure_hook()
+    dist.install_failure_hook()  # twice: still one link in the chain
+    assert sys.excepthook is dist._failure_hook
+    sys.excepthook(ValueError, ValueError("boom"), None)
+    assert calls == [ValueError, ("exit", 1)], calls  # the previous hook ran once, then exit
+    dist.remove_failure_hook()
+    assert sys.excepthook is previous

@@ -113,10 +113,14 @@ def test_killed_rank_then_resume_completes(toy):
 
 
 @pytest.mark.slow
-def test_nan_loss_is_reported_with_its_step(toy):
-    proc, seconds = _job(toy, "nan", "--fault", "nan", "--fault_step", "3")
-    assert proc.returncode != 0 and seconds < 120
-    assert "non-finite training loss (nan) at step 3" in proc.stderr, proc.stderr[-3000:]
+def test_nan_on_one_rank_stops_every_rank_and_rank_0_names_the_step(toy):
+    """Only rank 1's loss turns NaN: the step's loss is reduced over ranks before the check, so
+    rank 0 stops too (no hang in its next collective) and says which step."""
+    proc, seconds = _job(toy, "nan", "--fault", "nan", "--fault_rank", "1", "--fault_step", "3")
+    assert proc.returncode != 0 and seconds < 120, proc.stderr[-3000:]
+    want = "rank 0 of 2 failed: NonFiniteLossError: non-finite training loss (nan) at step 3"
+    assert want in proc.stderr, proc.stderr[-3000:]
+    assert "DONE" not in proc.stdout
 
 
 @pytest.mark.gpu

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,10 +29,15 @@ def toy(tmp_path_factory):
     return root
 
 
+def _out(toy, script: str, config: str) -> str:
+    """Each example and config pair writes to a directory of its own."""
+    return f"{toy}/out/{script}-{os.path.basename(config)}"
+
+
 def run_example(script: str, config: str, toy: str) -> dict:
     from tests.support.helpers import load_example
 
-    data, out = f"{toy}/data", f"{toy}/out/{os.path.basename(config)}"
+    data, out = f"{toy}/data", _out(toy, script, config)
     train = "pairs_train" if script in ("train_rm", "train_dpo") else "train"
     held = "pairs_test" if script in ("train_rm", "train_dpo") else "test"
     argv = [
@@ -38,6 +45,10 @@ def run_example(script: str, config: str, toy: str) -> dict:
         config,
         "--max_steps",
         "3",
+        "--max_epochs",
+        "10",  # so that max_steps is what stops every config
+        "--logging_steps",
+        "1",
         "--tokenizer",
         f"{data}/tokenizer",
         "--dataset",
@@ -72,5 +83,8 @@ CONFIGS = [
 def test_shipped_config_runs(ranks, toy, script, config):
     final = ranks.run(run_example, script, config, str(toy))[0]
     assert final and all(torch.isfinite(torch.tensor(v)) for v in final.values()), final
-    out = toy / "out" / os.path.basename(config) / "model"
-    assert (out / "config.json").exists() or (out / "adapter_config.json").exists()
+    out = Path(_out(toy, script, config))
+    rows = [json.loads(line) for line in open(out / "logs" / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3], "3 optimizer steps"
+    weights = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
+    assert any((out / "model" / name).is_file() for name in weights), sorted(out.iterdir())

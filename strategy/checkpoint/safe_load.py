@@ -2,8 +2,9 @@
 
 DeepSpeed's ``.pt`` files: every file is checked for being a complete archive first (so a damaged
 file fails naming itself on every rank before any rank enters a collective), then loaded with
-``weights_only=True`` and only DeepSpeed's own classes allowed. Safetensors weights: every shard
-the index names exists and every file is as long as its header says.
+``weights_only=True`` and only DeepSpeed's own classes allowed (``load_torch_file``, optionally
+memory-mapped, or DeepSpeed's own loads inside ``weights_only_loads``). Safetensors weights: every
+shard the index names exists and every file is as long as its header says.
 """
 
 from __future__ import annotations
@@ -11,13 +12,17 @@ from __future__ import annotations
 import glob
 import json
 import os
+import pickle
+import re
 import struct
 import zipfile
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
+
+import torch
 
 from strategy.errors import CheckpointFileError, CorruptWeightsError
-from strategy.internals import weights_only_torch_load
+from strategy.internals import deepspeed_checkpoint_globals, weights_only_torch_load
 
 
 def verify_torch_files(ckpt_dir: str) -> None:
@@ -38,9 +43,25 @@ def verify_torch_files(ckpt_dir: str) -> None:
                                       "restore it or load an earlier checkpoint") from None
 
 
-def _refused(path: object, reason: str) -> CheckpointFileError:
+def _refused(path: object, message: str) -> CheckpointFileError:
+    """One line out of torch's many: the global it refused (``Unsupported global: GLOBAL x.y``)."""
+    found = re.search(r"WeightsUnpickler error: (.+?)(?:\. Please|\n|$)", message)
+    lines = message.strip().splitlines() or ["?"]
+    reason = (found.group(1) if found else lines[0])[:200]
     return CheckpointFileError(f"{path}: refused to unpickle ({reason}); it holds objects beyond "
-                               "tensors and DeepSpeed's state")
+                               "tensors and DeepSpeed's state: use a checkpoint from a trusted "
+                               "source")
+
+
+def load_torch_file(path: str | os.PathLike, mmap: bool = False) -> Any:
+    """One ``.pt`` file through ``torch.load(weights_only=True)``, on the CPU, with only DeepSpeed's
+    own classes allowed; a refused file raises ``CheckpointFileError`` naming it. ``mmap=True`` maps
+    the file instead of reading it: a tensor's bytes are read when first touched."""
+    with torch.serialization.safe_globals(deepspeed_checkpoint_globals()):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError as exc:
+            raise _refused(path, str(exc)) from None
 
 
 @contextmanager

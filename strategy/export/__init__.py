@@ -1,6 +1,7 @@
 """Hugging Face export: ``save_model`` streams sharded safetensors from any ZeRO stage (full
 model, PEFT adapter, or merged), and ``python -m strategy.export`` turns a DeepSpeed checkpoint
-into the same directory offline.
+into the same directory offline, reading its files tensor by tensor (``zero_reader``: mapped
+``weights_only`` loads, DeepSpeed's file layout) into the same shard plan and writer.
 
 May import: ``strategy.errors``, ``strategy.internals``, ``strategy.dist``, ``strategy.atomic_fs``,
 ``strategy.dtypes``, ``strategy.model``, ``strategy.checkpoint`` (tags and safe loading, for the

@@ -9,7 +9,6 @@ renamed onto ``output_dir`` only when complete.
 
 from __future__ import annotations
 
-import ctypes
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -22,19 +21,11 @@ from strategy import dist
 from strategy.atomic_fs import atomic_directory
 from strategy.dtypes import resolve_dtype
 from strategy.errors import SaveError
+from strategy.export.memory import trim_heap
 from strategy.export.metadata import write_export_metadata
-from strategy.export.shards import ShardPlan, ShardWriter, parse_size, plan_shards
-from strategy.export.units import Unit, adapter_units, full_units, merged_units
+from strategy.export.shards import ShardPlan, ShardWriter
+from strategy.export.units import Unit, plan_export
 from strategy.internals import is_zero3_param
-from strategy.model import is_peft_model
-
-
-def _units(module: nn.Module, peft: bool, merge_lora: bool, dtype, max_shard_size) -> tuple:
-    """(units, file prefix, shard limit): a PEFT adapter goes in one file (peft reads one)."""
-    if peft and not merge_lora:
-        return adapter_units(module, dtype), "adapter_model", float("inf")
-    units = merged_units(module, dtype) if peft else full_units(module, dtype)
-    return units, "model", parse_size(max_shard_size)
 
 
 def save_model(model: nn.Module, tokenizer: Any, output_dir: str | Path,
@@ -46,23 +37,17 @@ def save_model(model: nn.Module, tokenizer: Any, output_dir: str | Path,
     and the tokenizer; a PEFT model its adapter only, or with ``merge_lora=True`` the merged full
     model. ``dtype`` converts floating tensors on the way out (default: as trained)."""
     module = getattr(model, "module", model)
-    peft = is_peft_model(module)
-    if merge_lora and not peft:
-        raise ValueError("merge_lora=True needs a PEFT model: "
-                         "pass merge_lora=False for a plain model")
     dtype = resolve_dtype(dtype)
-    units, prefix, limit = _units(module, peft, merge_lora, dtype, max_shard_size)
-    plan = plan_shards([spec for unit in units for spec in unit.specs], limit)
-    sink = _DirSink(Path(output_dir), plan, prefix) if dist.is_rank_0() else _NullSink()
+    plan = plan_export(module, dtype, max_shard_size, merge_lora)
+    sink = _DirSink(Path(output_dir), plan.shards, plan.prefix) if dist.is_rank_0() else _NullSink()
     with sink:
-        for group in group_units(units):
+        for group in group_units(plan.units):
             with _gathered([p for unit in group for p in unit.params]):
                 for unit in group:
                     sink.write(unit)
             sink.release()
-        adapter_only = peft and not merge_lora
-        sink.finish(lambda out: write_export_metadata(module, tokenizer, out, adapter_only,
-                                                      dtype or plan.main_dtype()))
+        sink.finish(lambda out: write_export_metadata(module, tokenizer, out, plan.adapter_only,
+                                                      dtype or plan.shards.main_dtype()))
         # every rank raises the same line, so none waits in a later collective
         dist.raise_if_any_failed(sink.error, _failure(output_dir))
     dist.barrier()
@@ -96,16 +81,6 @@ def _gathered(params: list[nn.Parameter]):
     if not partitioned:
         return nullcontext()
     return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
-
-
-def _load_malloc_trim():
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-_malloc_trim = _load_malloc_trim()
 
 
 class _NullSink:
@@ -155,18 +130,13 @@ class _DirSink:
         if self.error is not None:
             return
         try:
-            produced = unit.produce()
-            for spec in unit.specs:
-                self.writer.write(spec.name, produced[spec.name])
+            unit.write(self.writer)
         except Exception as exc:  # noqa: BLE001 - reported on every rank after the loop
             self.error = exc
 
     def release(self) -> None:
-        """Hand the group's freed buffers back to the OS: glibc keeps freed blocks under its
-        (adaptive, up to 32 MB) mmap threshold on the heap, so without this rank-0 RSS creeps up
-        group by group."""
-        if _malloc_trim is not None:
-            _malloc_trim(0)
+        """Hand the group's freed buffers back to the OS (``memory.trim_heap``)."""
+        trim_heap()
 
     def finish(self, write_metadata) -> None:
         if self.error is not None:

@@ -5,6 +5,8 @@ Three kinds: the full model (every parameter and persistent buffer, tied ones on
 adapter (only the adapter tensors and ``modules_to_save``, named as peft saves them), and a
 merged model (each LoRA layer's base weight plus its delta, under the base model's names).
 Every rank builds the same list in the same order, so every rank enters the same gathers.
+``plan_export`` picks the kind and plans the shards: ``save_model`` and the offline export share it,
+so both write the same files in the same order.
 """
 
 from __future__ import annotations
@@ -17,22 +19,60 @@ from peft.tuners.lora import LoraLayer
 from peft.utils import ModulesToSaveWrapper, get_peft_model_state_dict
 from torch import nn
 
-from strategy.export.shards import TensorSpec
+from strategy.errors import ConfigError
+from strategy.export.shards import ShardPlan, ShardWriter, TensorSpec, parse_size, plan_shards
 from strategy.internals import full_numel, full_shape, non_persistent_buffers
-from strategy.model import active_adapter, unique_state_tensors
+from strategy.model import active_adapter, is_peft_model, unique_state_tensors
 
 
 @dataclass
 class Unit:
-    """Tensors produced together from one set of gathered parameters."""
+    """Tensors produced together from one set of gathered parameters. ``sources`` are all the
+    module's tensors ``produce`` reads (``params`` and buffers): what the offline export fills from
+    a checkpoint."""
 
     params: list[nn.Parameter]
     specs: list[TensorSpec]
     produce: Callable[[], dict[str, torch.Tensor]]
+    sources: list[torch.Tensor]
 
     @property
     def gather_bytes(self) -> int:
         return sum(full_numel(p) * p.element_size() for p in self.params)
+
+    def write(self, writer: ShardWriter) -> None:
+        """Produce the tensors (``params`` gathered) and append them to their shards."""
+        produced = self.produce()
+        for spec in self.specs:
+            writer.write(spec.name, produced[spec.name])
+
+
+@dataclass
+class ExportPlan:
+    """What an export writes: units in write order, which shard each tensor goes to, the file
+    prefix (``model`` or ``adapter_model``)."""
+
+    units: list[Unit]
+    shards: ShardPlan
+    prefix: str
+    adapter_only: bool
+
+
+def plan_export(module: nn.Module, dtype: torch.dtype | None, max_shard_size: int | str,
+                merge_lora: bool) -> ExportPlan:
+    """The full model, or for a PEFT model its adapter (in one file: peft reads one) or with
+    ``merge_lora`` the merged model; planned from shapes alone."""
+    peft = is_peft_model(module)
+    if merge_lora and not peft:
+        raise ConfigError("merge_lora=True needs a PEFT model: "
+                          "pass merge_lora=False for a plain model")
+    if peft and not merge_lora:
+        units, prefix, limit = adapter_units(module, dtype), "adapter_model", float("inf")
+    else:
+        units = merged_units(module, dtype) if peft else full_units(module, dtype)
+        prefix, limit = "model", parse_size(max_shard_size)
+    shards = plan_shards([spec for unit in units for spec in unit.specs], limit)
+    return ExportPlan(units, shards, prefix, peft and not merge_lora)
 
 
 def out_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
@@ -44,7 +84,7 @@ def _single(name: str, tensor: torch.Tensor, dtype: torch.dtype | None,
             gather: bool = True) -> Unit:
     params = [tensor] if gather and isinstance(tensor, nn.Parameter) else []
     spec = TensorSpec(name, full_shape(tensor), out_dtype(tensor, dtype))
-    return Unit(params, [spec], lambda: {name: tensor})
+    return Unit(params, [spec], lambda: {name: tensor}, [tensor])
 
 
 def full_units(module: nn.Module, dtype: torch.dtype | None) -> list[Unit]:
@@ -97,13 +137,13 @@ def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def _lora_unit(layer: nn.Module, prefix: str, adapter: str, dtype, seen: set[int]) -> Unit:
     if getattr(layer, "use_dora", {}).get(adapter, False):
-        raise ValueError("merge_lora=True does not support DoRA adapters: save the adapter "
-                         "(merge_lora=False)")
+        raise ConfigError("merge_lora=True does not support DoRA adapters: save the adapter "
+                          "(merge_lora=False)")
     base = layer.get_base_layer()
     tensors = [(n, t) for n, t in _own_tensors(base) if id(t) not in seen]
     seen.update(id(t) for _, t in tensors)
-    params = [p for _, p in tensors if isinstance(p, nn.Parameter)]
-    params += list(_adapter_params(layer, adapter))
+    adapter_params = list(_adapter_params(layer, adapter))
+    params = [p for _, p in tensors if isinstance(p, nn.Parameter)] + adapter_params
     specs = [TensorSpec(prefix + n, full_shape(t), out_dtype(t, dtype)) for n, t in tensors]
 
     def produce() -> dict[str, torch.Tensor]:
@@ -113,7 +153,7 @@ def _lora_unit(layer: nn.Module, prefix: str, adapter: str, dtype, seen: set[int
             out[prefix + "weight"] = base.weight.float() + layer.get_delta_weight(adapter).float()
         return out
 
-    return Unit(params, specs, produce)
+    return Unit(params, specs, produce, [t for _, t in tensors] + adapter_params)
 
 
 def _adapter_params(layer: nn.Module, adapter: str):

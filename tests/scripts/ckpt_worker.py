@@ -2,10 +2,14 @@
 loop (the kill test in tests/test_checkpoint.py SIGKILLs it mid-save).
 
     RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 \
-        python tests/scripts/ckpt_worker.py CKPT_DIR [MAX_SAVES]
+        PAUSE_AT=mid_publish python tests/scripts/ckpt_worker.py CKPT_DIR [MAX_SAVES]
 
 Prints ``RESUMED <step>``, then ``SAVING <step>`` / ``SAVED <step> <seconds>`` per save, ``DONE``
-at the end.
+at the end. Inside each save it prints ``MARK <name> <step>`` at five points: ``before_files``,
+``mid_shard`` (one of DeepSpeed's files written, others not), ``shards_done`` (every rank's files
+written, not yet marked complete), ``mid_publish`` (marked complete, not yet renamed into place)
+and ``published`` (renamed, ``latest`` updated, retention not yet run). With ``PAUSE_AT=<name>``
+the second save after the resume stops at that point and waits to be killed.
 """
 
 from __future__ import annotations
@@ -26,6 +30,54 @@ def weights_digest(engine) -> str:
     for name in sorted(state):
         h.update(state[name].numpy().tobytes())
     return h.hexdigest()
+
+
+SAVES = {"count": 0}
+
+
+def mark(name: str, step_of) -> None:
+    print(f"MARK {name} {step_of()}", flush=True)
+    if os.environ.get("PAUSE_AT") == name and SAVES["count"] == 2:
+        print(f"PAUSED {name}", flush=True)
+        time.sleep(3600)  # the test kills us here
+
+
+def instrument(step_of) -> None:
+    """Wrap the functions a save goes through so the markers print from inside it."""
+    import torch
+
+    from strategy.checkpoint import save
+
+    def before(module, attr: str, name: str) -> None:
+        original = getattr(module, attr)
+
+        def wrapped(*args, **kwargs):
+            mark(name, step_of)
+            return original(*args, **kwargs)
+
+        setattr(module, attr, wrapped)
+
+    torch_save = torch.save
+
+    def save_then_mark(*args, **kwargs):
+        out = torch_save(*args, **kwargs)
+        if not getattr(save_then_mark, "done", False):
+            save_then_mark.done = True
+            mark("mid_shard", step_of)
+        return out
+
+    def count_then_reset(*args, **kwargs):  # the first thing a save does
+        SAVES["count"] += 1
+        save_then_mark.done = False
+        mark("before_files", step_of)
+        return reset(*args, **kwargs)
+
+    reset = save._reset_staging
+    save._reset_staging = count_then_reset
+    torch.save = save_then_mark
+    before(save, "publish", "shards_done")
+    before(save, "publish_dir", "mid_publish")
+    before(save, "apply_retention", "published")
 
 
 def main(ckpt_dir: str, max_saves: int) -> None:
@@ -56,6 +108,7 @@ def main(ckpt_dir: str, max_saves: int) -> None:
             f"weights loaded from {path} are not the saved ones"
         )
     print(f"RESUMED {engine.global_steps}", flush=True)
+    instrument(lambda: engine.global_steps)
     batches = token_batches(4, 2)
     for _ in range(max_saves):
         x = batches[engine.global_steps % len(batches)]
