@@ -1,7 +1,8 @@
 """The main job: SFT a tiny LLaMA (built from configs/tiny_llama.json) to reverse strings, at 2
 CPU ranks.
 
-deepspeed --num_gpus 2 examples/train_default.py --config configs/default.yaml
+torchrun --nproc_per_node 2 examples/train_default.py --config configs/default.yaml
+(or: deepspeed --num_gpus 2 examples/train_default.py --config configs/default.yaml)
 
 Run by examples/run_default.sh, which first makes the data and afterwards reloads the export in a
 fresh process. Here, after training, the in-training model answers the held-out prompts so the

@@ -1,4 +1,4 @@
-"""The README's main job end to end: data, 2-rank training (deepspeed launcher), fresh-process
+"""The README's main job end to end: data, 2-rank training (torchrun), fresh-process
 reload."""
 
 from __future__ import annotations
