@@ -3,6 +3,8 @@ and precision. Each method hands its work to the subsystem that owns it."""
 
 from __future__ import annotations
 
+import os
+import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -16,14 +18,28 @@ from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from strategy import dist
-from strategy.checkpoint import CheckpointConfig, ResumeState, load_checkpoint, save_checkpoint
+from strategy.checkpoint import (
+    CheckpointConfig,
+    ResumeState,
+    deepspeed_section,
+    find_storage,
+    load_checkpoint,
+    save_checkpoint,
+)
 from strategy.config import StrategyConfig, build_ds_config, build_eval_ds_config
 from strategy.dtypes import training_dtype
 from strategy.errors import fail
 from strategy.export import save_model, save_model_metadata
-from strategy.internals import engine_measures_grad_norm, restart_adam_powers
+from strategy.internals import (
+    engine_measures_grad_norm,
+    is_tensor_parallel_param,
+    release_tensor_parallel_groups,
+    restart_adam_powers,
+    tensor_parallel_group,
+)
 from strategy.model import build_hf_model
 from strategy.optim import OptimConfig, build_optimizer, create_scheduler, get_param_groups
+from strategy.parallel import SequenceParallel
 from strategy.sampler import ResumableDistributedSampler, ShardSampler
 
 
@@ -40,7 +56,9 @@ class DeepSpeedStrategy:
         self.checkpoint = checkpoint or CheckpointConfig()
         self._hf_ds_config = None  # keeps transformers' ZeRO-3 hook alive while models are built
         self._grad_norms: dict[int, float] = {}  # id(engine) -> norm we measured (plain ZeRO-0)
+        self.sequence: SequenceParallel | None = None  # Ulysses groups (sequence_parallel_size > 1)
         self.resume_state: ResumeState | None = None  # set by load_ckpt
+        self._storage: dict[str, str] = {}  # checkpoint directory -> "shared" | "node_local"
 
     def __enter__(self) -> DeepSpeedStrategy:
         return self
@@ -58,11 +76,30 @@ class DeepSpeedStrategy:
             timeout = timedelta(minutes=self.config.timeout_minutes)
         elif not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=timeout)
+        dist.from_slurm()  # the ranks srun started
         self.config.validate_world(dist.get_world_size())
         self._check_accelerator()
         dist.seed_everything(self.config.seed)
         dist.init_distributed(timeout)
         dist.install_failure_hook()
+        if self.config.sequence_parallel_size > 1:
+            self.sequence = SequenceParallel(self.config.sequence_parallel_size)
+        self.checkpoint_storage()  # found (and logged) before any training
+
+    def checkpoint_storage(self, directory: str | None = None) -> str:
+        """Collective: ``"shared"`` or ``"node_local"`` for ``directory`` (default
+        ``checkpoint.ckpt_path``, whose kind DeepSpeed is configured for; other directories must
+        be of the same kind). Found once per directory (``checkpoint.checkpoint_storage`` may
+        insist on one)."""
+        path = os.path.abspath(directory or self.checkpoint.ckpt_path)
+        if path not in self._storage:
+            self._storage[path] = find_storage(path, self.checkpoint.checkpoint_storage)
+        main = self._storage.get(os.path.abspath(self.checkpoint.ckpt_path))
+        if main is not None and self._storage[path] != main:
+            fail("save_dir", directory, f"it is {self._storage[path]} storage but ckpt_path "
+                 f"{self.checkpoint.ckpt_path} is {main} (DeepSpeed is configured for that); "
+                 "use a directory of the same kind")
+        return self._storage[path]
 
     def _check_accelerator(self) -> None:
         accelerator = get_accelerator()
@@ -92,7 +129,7 @@ class DeepSpeedStrategy:
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.rank
+        return self.config.data_parallel_rank(self.rank)
 
     @property
     def accumulation_steps(self) -> int:
@@ -110,16 +147,42 @@ class DeepSpeedStrategy:
         return dist.on_rank_0(fn, *args)
 
     def all_reduce(self, data: Any, op: str = "mean", group: str = "world") -> Any:
-        """Reduce over every rank (``group="world"``) or over the data-parallel ranks
-        (``"data"``: one rank per distinct batch)."""
-        return dist.all_reduce(data, op)
+        """Reduce over every rank (``group="world"``), or over the data-parallel ranks (``"data"``,
+        for values every rank of a sequence/tensor-parallel group holds alike: each is counted
+        once)."""
+        out = dist.all_reduce(data, op)
+        if group == "data" and op == "sum":
+            out = _scaled(out, 1.0 / self.config.model_parallel_size)
+        return out
+
+    # ------------------------------------------------------------ sequence parallelism
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.config.sequence_parallel_size
+
+    def shard_sequence(self, batch: dict) -> dict:
+        """This rank's slice of a batch's sequence (unchanged without sequence parallelism)."""
+        return batch if self.sequence is None else self.sequence.shard(batch)
+
+    def sequence_sum(self, tensor: torch.Tensor, keep_gradient: bool = False) -> torch.Tensor:
+        """Sum over the sequence-parallel group (unchanged without it)."""
+        return tensor if self.sequence is None else self.sequence.sum(tensor, keep_gradient)
+
+    @property
+    def loss_scale(self) -> int:
+        """What a loss normalized over a step's items is multiplied by so DeepSpeed's gradient
+        reduction (a mean over micro-batches and data-parallel ranks) leaves the step's mean."""
+        return self.accumulation_steps * self.data_parallel_size
 
     def all_gather(self, data: Any) -> Any:
         return dist.all_gather(data)
 
     @property
     def ds_config(self) -> dict:
-        return build_ds_config(self.config, self.world_size)
+        out = build_ds_config(self.config, self.world_size)
+        if self._storage:  # node-local storage: each node writes its own copy of model states
+            out.update(deepspeed_section(self.checkpoint_storage()))
+        return out
 
     @property
     def eval_ds_config(self) -> dict:
@@ -135,7 +198,10 @@ class DeepSpeedStrategy:
         """Build a Hugging Face model (path, hub name or config); partitioned at construction
         under ZeRO-3."""
         if self.config.zero_stage == 3 and self._hf_ds_config is None:
-            self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
+            # transformers checks the batch sizes without Ulysses' groups (over the whole
+            # world); construction needs only the ZeRO section, so let DeepSpeed derive the batch
+            construction = {k: v for k, v in self.ds_config.items() if k != "train_batch_size"}
+            self._hf_ds_config = HfDeepSpeedConfig(construction)
         return build_hf_model(name_or_config, auto_cls, dtype or self.dtype, **kwargs)
 
     def create_optimizer(self, model: nn.Module, lr: float | None = None,
@@ -178,25 +244,38 @@ class DeepSpeedStrategy:
         if self.config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
+        mpu = self._mpu(model, self.config.micro_train_batch_size)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                          config=self.ds_config, dist_init_required=False)
+                                          config=self.ds_config, dist_init_required=False, mpu=mpu)
         return engine
 
     def _prepare_eval(self, model: nn.Module):
+        mpu = self._mpu(model, self.config.micro_eval_batch_size)
         engine, *_ = deepspeed.initialize(model=model, config=self.eval_ds_config,
-                                          dist_init_required=False)
+                                          dist_init_required=False, mpu=mpu)
         engine.eval()
         return engine
 
+    def _mpu(self, model: nn.Module, micro_batch_size: int) -> Any:
+        """Ulysses' groups for ``deepspeed.initialize`` (installing its attention on first use)."""
+        if self.sequence is None:
+            return None
+        self.sequence.install(model, micro_batch_size)
+        return self.sequence.mpu
+
     # ------------------------------------------------------------ stepping
     def backward(self, loss: torch.Tensor, engine) -> None:
-        engine.backward(loss)
+        """Under sequence parallelism ZeRO 1/2 sum a gradient over the sequence ranks, ZeRO-3
+        averages over them too: its loss is scaled up by their number to match."""
+        zero3_average = self.config.zero_stage == 3 and self.sequence is not None
+        engine.backward(loss * self.sequence_parallel_size if zero3_average else loss)
 
     def optimizer_step(self, engine) -> None:
         """DeepSpeed steps (clip, update, schedule, zero grads) only at accumulation boundaries."""
         if engine.is_gradient_accumulation_boundary():
             if not engine_measures_grad_norm(engine):  # measured before DeepSpeed drops it
-                self._grad_norms[id(engine)] = _grad_norm(engine.module)
+                self._grad_norms[id(engine)] = _grad_norm(engine.module,
+                                                          self.config.tensor_parallel_size > 1)
             restart_adam_powers(engine.optimizer)  # exact resume on DeepSpeed's CPU Adam
         engine.step()
 
@@ -239,8 +318,11 @@ class DeepSpeedStrategy:
         """Every rank: stream an HF directory (sharded safetensors, config, tokenizer; a LoRA
         model's adapter, or merged with ``merge_lora``) to ``output_dir``, atomically, written
         by rank 0 only."""
-        return save_model(engine, tokenizer, output_dir, max_shard_size=max_shard_size, dtype=dtype,
-                          merge_lora=merge_lora)
+        out = save_model(engine, tokenizer, output_dir, max_shard_size=max_shard_size, dtype=dtype,
+                         merge_lora=merge_lora)
+        dist.print0(f"[save_model] wrote {os.path.abspath(out)} from global rank 0 on "
+                    f"{socket.gethostname()}")
+        return out
 
     # ------------------------------------------------------------ resume checkpoints
     def save_ckpt(self, engine, save_dir: str | None = None, tag: str | None = None,
@@ -263,7 +345,8 @@ class DeepSpeedStrategy:
             keep_best=ckpt.keep_best_ckpt if keep_best is None else keep_best,
             higher_is_better=(ckpt.best_metric_higher if higher_is_better is None
                               else higher_is_better),
-            write_metadata=lambda directory: save_model_metadata(engine, directory, tokenizer))
+            write_metadata=lambda directory: save_model_metadata(engine, directory, tokenizer),
+            layout=self._layout(), node_local=self.checkpoint_storage(save_dir) == "node_local")
 
     def load_ckpt(self, engine, load_dir: str | None = None, tag: str | None = None,
                   load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -277,8 +360,16 @@ class DeepSpeedStrategy:
         forces or forbids that)."""
         path, state, self.resume_state = load_checkpoint(
             engine, load_dir or self.checkpoint.ckpt_path, tag, load_optimizer_states,
-            load_lr_scheduler_states, dataloader, universal)
+            load_lr_scheduler_states, dataloader, universal, layout=self._layout(),
+            node_local=self.checkpoint_storage(load_dir) == "node_local")
         return path, state
+
+    def _layout(self) -> dict:
+        """What a checkpoint records of the run's shape, for its resume to check and count."""
+        cfg = self.config
+        return {"sequence_parallel_size": cfg.sequence_parallel_size,
+                "tensor_parallel_size": cfg.tensor_parallel_size,
+                "samples_per_step": cfg.train_batch_size}
 
     def close(self, keep_failure_hook: bool = False) -> None:
         """Drop the ZeRO-3 construction hook (so later single-process loads behave normally) and
@@ -286,13 +377,30 @@ class DeepSpeedStrategy:
         if self._hf_ds_config is not None:
             unset_hf_deepspeed_config()
             self._hf_ds_config = None
+        if self.sequence is not None:
+            self.sequence.close()
+            self.sequence = None
+        if self.config.tensor_parallel_size > 1:
+            release_tensor_parallel_groups()
         if not keep_failure_hook:
             dist.remove_failure_hook()
 
 
-def _grad_norm(module: nn.Module) -> float:
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    if not grads:
-        return 0.0
-    norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-    return torch.linalg.vector_norm(norms).item()
+def _scaled(data: Any, factor: float) -> Any:
+    """Numbers, tensors and nested dicts of them, times ``factor``."""
+    if isinstance(data, dict):
+        return {key: _scaled(value, factor) for key, value in data.items()}
+    return data * factor
+
+
+def _grad_norm(module: nn.Module, tensor_parallel: bool = False) -> float:
+    """The gradient norm ZeRO-0 does not measure; AutoTP slices' squares are summed over their
+    tensor-parallel group, whole parameters counted once."""
+    squares = torch.zeros(2, dtype=torch.float64)  # [whole parameters, split slices]
+    for p in module.parameters():
+        if p.grad is not None:
+            split = tensor_parallel and is_tensor_parallel_param(p)
+            squares[int(split)] += torch.linalg.vector_norm(p.grad.double()).pow(2).cpu()
+    if tensor_parallel:
+        squares[1] = dist.all_reduce(squares[1], "sum", group=tensor_parallel_group())
+    return squares.sum().sqrt().item()

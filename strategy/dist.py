@@ -1,7 +1,8 @@
 """Ranks and collectives over torch.distributed, device-agnostic through DeepSpeed's accelerator.
 
 Also the two rules every multi-rank write follows: ``on_rank_0`` (rank 0 acts; every rank gets its
-result or raises its error, so no rank waits in a later collective for a rank that failed) and
+result or raises its error, so no rank waits in a later collective for a rank that failed; and
+``on_node_writers``, the same for each node's local rank 0 on node-local storage) and
 ``raise_if_any_failed`` (each rank may have failed; every rank raises the same one-line error).
 And the failure hook: ``setup_distributed`` installs it so an uncaught exception names its rank
 and exits at once (the launcher then stops the others), ``close()`` removes it.
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 
-from strategy.errors import RankFailedError
+from strategy.errors import ConfigError, RankFailedError
 from strategy.internals import default_store, shm_allreduce_buffer_path
 
 _OPS = {"sum": torch_dist.ReduceOp.SUM, "mean": torch_dist.ReduceOp.SUM,
@@ -44,6 +45,24 @@ def get_world_size() -> int:
 
 def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def get_local_world_size() -> int:
+    """Ranks on this node: torchrun's ``LOCAL_WORLD_SIZE``, the deepspeed launcher's
+    ``LOCAL_SIZE``, else one node holds them all."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return get_world_size()
+
+
+def get_num_nodes() -> int:
+    return max(get_world_size() // get_local_world_size(), 1)
+
+
+def get_node_rank() -> int:
+    """Both launchers give a node contiguous ranks: node ``k`` holds ranks ``k * local`` on."""
+    return get_rank() // get_local_world_size()
 
 
 def is_rank_0() -> bool:
@@ -70,8 +89,26 @@ def free_port() -> int:
 # ------------------------------------------------------------ start-up
 
 
+def from_slurm() -> None:
+    """Under ``srun`` (``deepspeed --launcher slurm`` starts the script once per task, with no
+    rank variables of its own) the ranks come from Slurm's task variables."""
+    env = os.environ
+    if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
+        return
+    if "MASTER_ADDR" not in env:
+        raise ConfigError("MASTER_ADDR=None is invalid: under srun export MASTER_ADDR (the first "
+                          "node's address) and MASTER_PORT before launching")
+    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_STEP_TASKS_PER_NODE", "1")
+    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"],
+               LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
+               LOCAL_SIZE=per_node.split("(")[0].split(",")[0])
+    env.setdefault("MASTER_PORT", "29500")
+
+
 def ensure_launch_env() -> None:
-    """Fill the rendezvous variables a launcher would set, for a plain ``python script.py`` run."""
+    """Fill the rendezvous variables a launcher would set: from Slurm's under ``srun``, or for a
+    plain ``python script.py`` run."""
+    from_slurm()
     if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
         return
     os.environ.setdefault("RANK", "0")
@@ -228,6 +265,23 @@ def on_rank_0(fn: Callable, *args: Any) -> Any:
     return value
 
 
+def on_node_writers(fn: Callable, *args: Any) -> list:
+    """Collective: run ``fn(*args)`` on every node's local rank 0 (storage each node has its own
+    of); every rank returns the list of their results in node order, or raises the first error."""
+    value, error = None, None
+    if get_local_rank() == 0:
+        try:
+            value = fn(*args)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+    local = get_local_world_size()
+    gathered = all_gather_object((value, error))[::local]
+    failed = [shared for _, shared in gathered if shared is not None]
+    if failed:
+        raise error if error is not None else _rebuild(failed[0])
+    return [value for value, _ in gathered]
+
+
 def first_error(error: str | None) -> tuple[int, str] | None:
     """Collective: the lowest rank whose ``error`` is not None, with its message; None when all
     are."""
@@ -261,18 +315,19 @@ def _to_tensor(value: Any) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64 if on_cpu else torch.float32, device=device)
 
 
-def all_reduce(data: Any, op: str = "mean") -> Any:
-    """Reduce a tensor, a number, or a (nested) dict of them across ranks: mean, sum, max or min."""
+def all_reduce(data: Any, op: str = "mean", group: Any = None) -> Any:
+    """Reduce a tensor, a number, or a (nested) dict of them across ranks (or a process
+    ``group``'s): mean, sum, max or min."""
     if op not in _OPS:
         raise ValueError(f"op={op!r} is invalid: use one of {sorted(_OPS)}")
     if isinstance(data, dict):
-        return _all_reduce_dict(data, op)
+        return _all_reduce_dict(data, op, group)
     tensor = _to_tensor(data)
     tensor = tensor.clone() if isinstance(data, torch.Tensor) else tensor
     if is_initialized():
-        torch_dist.all_reduce(tensor, op=_OPS[op])
+        torch_dist.all_reduce(tensor, op=_OPS[op], group=group)
     if op == "mean":
-        tensor = tensor / get_world_size()
+        tensor = tensor / (get_world_size() if group is None else torch_dist.get_world_size(group))
     if isinstance(data, torch.Tensor):
         dtype = data.dtype if data.is_floating_point() else tensor.dtype
         return tensor.to(device=data.device, dtype=dtype)
@@ -289,13 +344,14 @@ def _flatten(data: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
     return out
 
 
-def _all_reduce_dict(data: dict, op: str) -> dict:
+def _all_reduce_dict(data: dict, op: str, group: Any = None) -> dict:
     """Numbers in a nested dict travel in one collective; tensors each in their own."""
     leaves = _flatten(data)
     numbers = [(path, v) for path, v in leaves if not isinstance(v, torch.Tensor)]
     packed = torch.tensor([float(v) for _, v in numbers], dtype=torch.float64)
-    reduced = dict(zip([path for path, _ in numbers], all_reduce(packed, op).tolist()))
-    reduced.update({path: all_reduce(v, op) for path, v in leaves if isinstance(v, torch.Tensor)})
+    reduced = dict(zip([path for path, _ in numbers], all_reduce(packed, op, group).tolist()))
+    reduced.update({path: all_reduce(v, op, group) for path, v in leaves
+                    if isinstance(v, torch.Tensor)})
     out: dict = {}
     for path, _ in leaves:
         node = out

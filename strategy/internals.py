@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import math
 import os
 import pickle
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator
 
 import deepspeed
@@ -22,11 +23,17 @@ import torch
 import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint import ds_to_universal
+from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+from deepspeed.module_inject.layers import GatherReplacedLayerParams
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.ops.adam.multi_tensor_apply import MultiTensorApply
 from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.sequence_parallel import parallel_state_sp
+from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
+from deepspeed.utils import groups as deepspeed_groups
 from deepspeed.utils.tensor_fragment import fragment_address
 from pydantic import ValidationError
 from torch import nn
@@ -87,12 +94,43 @@ def is_zero3_param(param: torch.Tensor) -> bool:
 
 
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The unpartitioned shape (ZeRO-3 leaves a parameter's local tensor empty)."""
-    return tuple(param.ds_shape) if is_zero3_param(param) else tuple(param.shape)
+    """The unpartitioned shape: ZeRO-3 leaves a parameter's local tensor empty and records it in
+    ``ds_shape``; AutoTP keeps a shard and records the whole in its universal-checkpoint meta."""
+    if is_zero3_param(param):
+        return tuple(param.ds_shape)
+    meta = getattr(param, DS_AUTOTP_UC_META, None) or {}
+    return tuple(meta.get("original_shape") or param.shape)
 
 
 def full_numel(param: torch.Tensor) -> int:
-    return int(param.ds_numel) if is_zero3_param(param) else param.numel()
+    return math.prod(full_shape(param))
+
+
+# ------------------------------------------------------------ AutoTP parameters
+
+
+def is_tensor_parallel_param(param: torch.Tensor) -> bool:
+    """A parameter AutoTP split across the tensor-parallel group (DeepSpeed's own test)."""
+    return is_model_parallel_parameter(param)
+
+
+def tensor_parallel_group() -> Any:
+    """The tensor-parallel process group AutoTP made (DeepSpeed keeps it in ``groups``)."""
+    return deepspeed_groups.get_tensor_model_parallel_group()
+
+
+@contextmanager
+def tensor_parallel_gathered(params: list[torch.Tensor], owner: dict[int, nn.Module]
+                             ) -> Iterator[None]:
+    """Collective over each tensor-parallel group: within the block the AutoTP layers owning
+    ``params`` hold their whole weights (DeepSpeed's ``GatherReplacedLayerParams``, which takes
+    a layer's parameters in their own order, weight first)."""
+    modules = {id(owner[id(p)]): owner[id(p)] for p in params if id(p) in owner}
+    with ExitStack() as stack:
+        for module in modules.values():
+            own = list(module.parameters(recurse=False))
+            stack.enter_context(GatherReplacedLayerParams(own, module, enabled=True))
+        yield
 
 
 def local_partition(param: torch.Tensor) -> torch.Tensor:
@@ -196,6 +234,56 @@ def shm_allreduce_buffer_path(rank: int) -> str:
     name is an implementation detail of ``deepspeed/ops/csrc/cpu/comm/shm.cpp``."""
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
     return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+# ------------------------------------------------------------ DeepSpeed Ulysses
+
+
+def ulysses_attention(core_attention: Callable, hf_config: Any, process_group: Any,
+                      micro_batch_size: int) -> Callable:
+    """An attention function running DeepSpeed's ``UlyssesSPAttentionHF`` (all-to-all from
+    sequence shards to head shards and back) around ``core_attention``. DeepSpeed's
+    ``register_with_transformers`` fixes the batch dimension of the shapes it asserts at
+    registration; DPO's paired rows and eval batches differ, so this wrapper sets it from each
+    call (``batch_size`` and the ``required_*_shape`` attributes, undocumented). Masks are
+    dropped, as DeepSpeed's wrapper does: sdpa runs causal over the gathered sequence (right
+    padding only)."""
+    text = hf_config.get_text_config()
+    heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    ulysses = UlyssesSPAttentionHF(attn=core_attention, batch_size=micro_batch_size,
+                                   attn_head_count=heads, attn_head_size=head_dim,
+                                   kv_head_count=kv_heads, num_hidden_layers=text.num_hidden_layers,
+                                   process_group=process_group, seq_length_is_variable=True)
+    ulysses.core_attn_implementation = "sdpa"
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        batch = query.shape[0]
+        ulysses.batch_size = batch
+        for name in ("required_query_shape", "required_key_value_shape", "required_context_shape"):
+            shape = list(getattr(ulysses, name))
+            setattr(ulysses, name, torch.Size([shape[0], batch, *shape[2:]]))
+        return ulysses(module, query, key, value, None, *args, **kwargs)
+
+    return attention
+
+
+def release_sequence_parallel_groups() -> None:
+    """DeepSpeed keeps its Ulysses process groups in module globals that refuse a second
+    ``initialize_sequence_parallel``, and every engine made with an mpu leaves it in
+    ``deepspeed.utils.groups.mpu`` for all later engines; clearing both lets a later run in the
+    same process start clean (the rank pool in tests, a notebook)."""
+    parallel_state_sp._release_sequence_parallel_groups()
+    deepspeed_groups.mpu = None
+
+
+def release_tensor_parallel_groups() -> None:
+    """AutoTP's groups live in ``deepspeed.utils.groups`` globals that later engines would take
+    as theirs (a tp=1 engine after a tp=2 one finds a model-parallel size of 2 and no mpu)."""
+    deepspeed_groups._TENSOR_MODEL_PARALLEL_GROUP = None
+    deepspeed_groups._MODEL_PARALLEL_GROUP = None
+    deepspeed_groups._DATA_PARALLEL_GROUP = None
+    deepspeed_groups.mpu = None
 
 
 # ------------------------------------------------------------ DeepSpeed's Adam kernels

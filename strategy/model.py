@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from strategy.checkpoint.safe_load import check_safetensors_dir
 
+IGNORE_INDEX = -100  # transformers' label for tokens that are not scored (prompt, padding)
+
 
 def build_hf_model(name_or_config: Any, auto_cls: Any = None, dtype: torch.dtype | None = None,
                    **kwargs: Any) -> nn.Module:

@@ -18,6 +18,14 @@ def toy(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
     make_tokenizer(str(root / "tok"))
     (root / "d.jsonl").write_text(json.dumps({"input": "ab=", "output": "ba"}) + "\n")
+    tiny = {"hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 2}
+    models = {"three_heads": {"model_type": "llama", "num_attention_heads": 3,
+                              "num_key_value_heads": 3, **tiny},
+              "gpt2": {"model_type": "gpt2", "n_embd": 48, "n_head": 4, "n_layer": 2},
+              "opt": {"model_type": "opt", "hidden_size": 48, "num_attention_heads": 4,
+                      "ffn_dim": 64, "word_embed_proj_dim": 48, "num_hidden_layers": 2}}
+    for name, values in models.items():
+        (root / f"{name}.json").write_text(json.dumps(values))
     return root
 
 
@@ -63,6 +71,8 @@ CASES = [
     ({"beta": 0}, "beta=0.0 is invalid"),
     ({"label_smoothing": 0.5}, "label_smoothing=0.5 is invalid"),
     ({"max_ckpt_mem": 0}, "max_ckpt_mem=0.0 is invalid"),
+    ({"checkpoint_storage": "nfs"}, "checkpoint_storage='nfs' is invalid: use one of auto, "
+                                     "shared, node_local"),
     ({"model_config": None}, "pretrain=None is invalid: set --pretrain"),
     (
         {"model_config": "configs/missing.json"},
@@ -85,6 +95,26 @@ CASES = [
         {"lora_rank": 4, "target_modules": "q_proj,qkv_proj"},
         "the model has no linear layer named ['qkv_proj']",
     ),
+    # sequence and tensor parallelism, packing: before any process group starts
+    ({"sequence_parallel_size": 3}, "sequence_parallel_size=3 is invalid: the world size 2 does "
+                                    "not divide by it"),
+    ({"sequence_parallel_size": 2, "model_config": "TOY/three_heads.json"},
+     "sequence_parallel_size=2 is invalid: the model's 3 attention heads do not divide by it"),
+    ({"sequence_parallel_size": 2, "attn_implementation": "eager"},
+     "sequence_parallel_size=2 is invalid: attention 'eager' cannot run under Ulysses"),
+    ({"sequence_parallel_size": 2, "model_config": "TOY/gpt2.json"},
+     "sequence_parallel_size=2 is invalid: model_type 'gpt2' (sliding window None) is not "
+     "supported"),
+    ({"sequence_parallel_size": 2, "packing_samples": True},
+     "packing_samples=True is invalid with sequence_parallel_size=2 and sdpa"),
+    ({"packing_samples": True, "model_config": "TOY/opt.json"},
+     "packing_samples=True is invalid: model_type 'opt' does not find packed samples"),
+    ({"sequence_parallel_size": 2, "tensor_parallel_size": 2},
+     "tensor_parallel_size=2 is invalid: tensor and sequence parallelism together"),
+    ({"tensor_parallel_size": 2, "zero_stage": 3}, "tensor_parallel_size=2 is invalid: AutoTP "
+                                                   "trains with ZeRO 0-2"),
+    ({"tensor_parallel_size": 3}, "tensor_parallel_size=3 is invalid: the world size 2 does not "
+                                  "divide by it"),
 ]
 
 
@@ -113,7 +143,8 @@ def test_bad_setting_fails_before_process_group(toy, monkeypatch, change, messag
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError) as err:
         change = {
-            k: v.replace("FILE", f"{toy}/d.jsonl") if isinstance(v, str) else v
+            k: v.replace("FILE", f"{toy}/d.jsonl").replace("TOY", str(toy))
+            if isinstance(v, str) else v
             for k, v in change.items()
         }
         Run.from_args(_argv({**_base(toy), **change}))

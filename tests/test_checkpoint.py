@@ -355,6 +355,22 @@ def test_resolve_tag_ignores_partial_and_broken_pointer(tmp_path):
         resolve_tag(str(tmp_path), "s3")
 
 
+def test_common_tag_over_node_local_copies(tmp_path):
+    """Each node's view (the tag ``latest`` names, complete tags): the newest complete on all."""
+    from strategy.checkpoint.tags import resolve_common_tag
+    from strategy.errors import ConfigError
+
+    both = [("s2", ["s1", "s2"]), ("s2", ["s1", "s2"])]
+    assert resolve_common_tag(both, "d", None) == "s2"
+    killed = [("s3", ["s1", "s2", "s3"]), ("s2", ["s1", "s2"])]  # node 1 died saving s3
+    assert resolve_common_tag(killed, "d", None) == "s2"
+    assert resolve_common_tag([(None, ["s1"]), (None, [])], "d", None) is None
+    assert resolve_common_tag(killed, "d", "s1") == "s1"
+    with pytest.raises(ConfigError, match=r"tag='s3' is invalid: d holds no checkpoint of that "
+                       r"name complete on every node; use one of \['s1', 's2'\]"):
+        resolve_common_tag(killed, "d", "s3")
+
+
 def test_publish_replaces_a_resaved_tag_whole(tmp_path):
     from strategy.checkpoint import resolve_tag
     from strategy.checkpoint.save import publish as _publish

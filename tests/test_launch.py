@@ -1,4 +1,5 @@
-"""The same script under the deepspeed launcher, torchrun, and a plain single process."""
+"""The same script under the deepspeed launcher (one node, and Slurm), torchrun, and a plain single
+process."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from tests.support.ranks import shm_buffers
 PROBE = "tests/scripts/launch_probe.py"
 
 
-def _run(cmd: list[str], port: int, timeout: float = 240) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+def _run(cmd: list[str], port: int, timeout: float = 240, extra_env: dict | None = None,
+         ) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", **(extra_env or {})}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     # lines may interleave
     pattern = r"RESULT rank=(\d+) world=(\d+) stage=(\d) loss=([\d.]+) shm_left=(True|False)"
@@ -85,3 +87,24 @@ def test_torchrun_and_single_process():
     assert proc.returncode == 0 and "RESULT rank=0 world=1 stage=1" in proc.stdout, proc.stderr[
         -3000:
     ]
+
+
+@pytest.mark.slow
+def test_deepspeed_slurm_launcher_with_one_task_per_node(tmp_path):
+    """``deepspeed --launcher slurm`` runs ``srun -n 2 ... python script``: each task gets its
+    rank from Slurm's variables (a stand-in ``srun`` starts the two tasks here as two nodes)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").symlink_to(os.path.abspath("tests/scripts/fake_srun.py"))
+    (bin_dir / "sinfo").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "sinfo").chmod(0o755)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    port = free_port()
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    out = _run([deepspeed, "--hostfile", str(hostfile), "--launcher", "slurm", "--no_ssh_check",
+                "--master_addr", "127.0.0.1", PROBE, "--zero_stage", "2"], port, extra_env=env)
+    assert sorted(r["rank"] for r in out) == ["0", "1"] and {r["world"] for r in out} == {"2"}
+    assert len({r["loss"] for r in out}) == 1

@@ -30,10 +30,11 @@ LAYERS = {
     "lora": 4,
     "ops": 4,
     "model": 5,
-    "export": 6,
-    "deepspeed_strategy": 7,
-    "trainers": 8,
-    "demos": 9,
+    "parallel": 6,
+    "export": 7,
+    "deepspeed_strategy": 8,
+    "trainers": 9,
+    "demos": 10,
 }
 
 

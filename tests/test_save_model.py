@@ -14,6 +14,7 @@ from tests.support.helpers import gathered_state, make_strategy
 from tests.support.models import FAMILIES, VOCAB, tiny_llama, token_batches
 from tests.support.readonly import read_only_view
 
+
 @pytest.fixture(scope="module", autouse=True)
 def fresh_ranks_afterwards(ranks):
     """Rank 1 keeps the private mount namespace of its read-only views: later modules get new

@@ -95,43 +95,6 @@ def test_sft_masking_and_collate(tmp_path, tok):
     assert batch["attention_mask"][1].tolist() == [1] * 6 + [0, 0]
 
 
-def test_packing_keeps_samples_apart(tok):
-    samples = [
-        {"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
-        {"input_ids": [4, 5], "labels": [-100, 5]},
-        {"input_ids": [6, 7, 8, 9], "labels": [-100, 7, 8, 9]},
-    ]
-    packed = ds.pack(samples, max_len=5)
-    assert [p["seq_lens"] for p in packed] == [[3, 2], [4]]
-    batch = ds.collate_sft(0)(packed)
-    assert batch["position_ids"][0].tolist() == [0, 1, 2, 0, 1]
-    mask = batch["attention_mask"][0, 0]
-    assert (
-        mask[3, :3].sum() == 0 and mask[4, 3] and not mask[2, 3]
-    )  # no attention across samples, causal inside
-
-
-def test_packed_forward_equals_separate_forwards(tok):
-    from transformers import AutoModelForCausalLM
-
-    from tests.support.models import tiny_llama
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_llama()).eval()
-    a, b = [5, 6, 7], [8, 9]
-    batch = ds.collate_sft(0)(
-        ds.pack([{"input_ids": a, "labels": a}, {"input_ids": b, "labels": b}], 8)
-    )
-    with torch.no_grad():
-        packed = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-        ).logits[0]
-        alone = torch.cat([model(input_ids=torch.tensor([x])).logits[0] for x in (a, b)])
-    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
-
-
 BAD_ROWS = [
     ([{"output": "x"}], {}, "row 0: missing key 'input'"),
     (
@@ -254,7 +217,9 @@ def test_chat_rows_load_pack_and_truncate(tmp_path, tok):
     path = _write(tmp_path, [chat, {"input": "ab=", "output": "ba"}, chat])
     rows = ds.load_sft(path, tok, DataConfig(max_len=16))
     assert len(rows) == 3 and rows[0]["labels"].count(-100) == 6  # <user>abc=<assistant>
-    packed = ds.pack(rows, max_len=16)
+    from strategy.trainers.packing import pack
+
+    packed = pack(rows, max_len=16)
     assert sum(len(p["input_ids"]) for p in packed) == sum(len(r["input_ids"]) for r in rows)
     cut = ds.load_sft(path, tok, DataConfig(max_len=7, overlong="truncate"))
     assert [len(r["input_ids"]) for r in cut] == [7, 6, 7]  # the chat keeps 1 answer token

@@ -65,24 +65,31 @@ def _pair_rows(rng: random.Random) -> list[dict]:
     return rows
 
 
-def one_step(kind: str, micro: int, accumulation: int, weighting: str, root: str) -> dict:
+def one_step(kind: str, micro: int, accumulation: int | None, weighting: str, root: str,
+             packed: bool = False) -> dict:
     """One optimizer step over the same 8 samples with SGD(lr=1): the weights move by exactly
-    minus the gradient."""
+    minus the gradient. ``packed``: the samples packed into rows (``accumulation`` None: one
+    step over all of them)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from strategy import DeepSpeedStrategy, OptimConfig, StrategyConfig
-    from strategy.trainers import DPOTrainer, RewardModelTrainer, SFTTrainer, TrainConfig
+    from strategy.trainers import DPOTrainer, RewardModelTrainer, SFTTrainer, TrainConfig, packing
     from strategy.trainers import data as ds
     from strategy.trainers.config import DPOConfig
 
     world = int(os.environ.get("WORLD_SIZE", 1))
+    rng = random.Random(0)
+    rows = _sft_rows(rng) if kind == "sft" else _pair_rows(rng)
+    collate = ds.collate_sft(0) if kind == "sft" else ds.collate_pairs(0)
+    if packed:
+        rows = packing.pack(rows, 64) if kind == "sft" else packing.pack_pairs(rows, 48)
+        plain = kind == "sft"
+        collate = (packing.collate_packed if plain else packing.collate_packed_pairs)(0)
+    accumulation = accumulation or len(rows) // (micro * world)
     config = StrategyConfig(zero_stage=2, micro_train_batch_size=micro, max_norm=0.0, seed=3,
                             train_batch_size=micro * accumulation * world)
     strategy = DeepSpeedStrategy(config, OptimConfig(learning_rate=1.0))
     strategy.setup_distributed()
-    rng = random.Random(0)
-    rows = _sft_rows(rng) if kind == "sft" else _pair_rows(rng)
-    collate = ds.collate_sft(0) if kind == "sft" else ds.collate_pairs(0)
     loader = strategy.setup_dataloader(rows, micro, shuffle=False, collate_fn=collate)
     torch.manual_seed(0)
     cls = AutoModelForSequenceClassification if kind == "rm" else AutoModelForCausalLM
@@ -128,6 +135,12 @@ def test_step_gradient_is_the_same_however_the_step_is_split(ranks, tmp_path, ki
         assert gap < 1e-5, (split, gap)
         assert run["loss"] == pytest.approx(reference["loss"], rel=1e-5), split
         assert run["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5), split
+    # packed into rows told apart by position ids: the same step, the same gradient
+    packed = ranks.run(one_step, kind, 1, None, "step", str(tmp_path), packed=True,
+                       world_size=1)[0]
+    gap = _relative_gap(packed["grads"], reference["grads"])
+    print(f"{kind} packed: gradient gap {gap:.1e}")
+    assert gap < 1e-5 and packed["loss"] == pytest.approx(reference["loss"], rel=1e-5), gap
     if kind == "rm":
         return  # a pair loss over equal-size micro-batches: the old mean of means is the same
     # the old per-micro-batch mean weighs a 1-token micro-batch like a 40-token one

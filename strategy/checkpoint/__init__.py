@@ -8,10 +8,12 @@ model's ``config.json`` beside the weights.
 """
 
 from strategy.checkpoint.config import CheckpointConfig
-from strategy.checkpoint.load import load_checkpoint
+from strategy.checkpoint.load import check_resumable, load_checkpoint
 from strategy.checkpoint.progress import ResumeState, progress
 from strategy.checkpoint.save import save_checkpoint
+from strategy.checkpoint.storage import deepspeed_section, find_storage
 from strategy.checkpoint.tags import resolve_tag, validate_tag
 
-__all__ = ["CheckpointConfig", "ResumeState", "load_checkpoint", "progress", "resolve_tag",
-           "save_checkpoint", "validate_tag"]
+__all__ = ["CheckpointConfig", "ResumeState", "check_resumable", "deepspeed_section",
+           "find_storage", "load_checkpoint", "progress", "resolve_tag", "save_checkpoint",
+           "validate_tag"]

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from strategy.config.fields import doc
 from strategy.errors import fail
 
+STORAGE_MODES = ("auto", "shared", "node_local")
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:
@@ -23,10 +25,16 @@ class CheckpointConfig:
                            "loss")
     best_metric_higher: bool = doc("a higher best_metric is better (accuracy); "
                                    "default lower (loss)", False)
+    checkpoint_storage: str = doc("auto: find out at start whether ckpt_path is shared by every "
+                                  "node or each node's own disk; shared or node_local: insist",
+                                  "auto")
 
     def __post_init__(self) -> None:
         validate_limits(self.max_ckpt_num, self.max_ckpt_mem, self.keep_best_ckpt,
                         ("max_ckpt_num", "max_ckpt_mem", "keep_best_ckpt"))
+        if self.checkpoint_storage not in STORAGE_MODES:
+            fail("checkpoint_storage", self.checkpoint_storage,
+                 f"use one of {', '.join(STORAGE_MODES)}")
         if not self.best_metric:
             fail("best_metric", self.best_metric, "name an eval metric, e.g. loss or accuracy")
 

@@ -14,8 +14,8 @@ from strategy.checkpoint.progress import ResumeState, progress, sampler_of
 from strategy.checkpoint.rng_state import restore_rng
 from strategy.checkpoint.safe_load import verify_torch_files, weights_only_loads
 from strategy.checkpoint.save import CLIENT_KEY
-from strategy.checkpoint.tags import resolve_tag
-from strategy.errors import CheckpointFileError
+from strategy.checkpoint.tags import node_view, resolve_common_tag, resolve_tag
+from strategy.errors import CheckpointFileError, fail
 from strategy.internals import convert_to_universal, universal_checkpoint_loading
 
 
@@ -48,23 +48,62 @@ def _load_universal(engine: Any, ckpt_dir: str, meta: dict, **kw: Any) -> tuple[
     return path, state
 
 
+def check_layout(meta: dict, layout: dict, ckpt_dir: str) -> None:
+    """A checkpoint resumes at the sequence- and tensor-parallel sizes it was saved at."""
+    for name in ("sequence_parallel_size", "tensor_parallel_size"):
+        saved, now = meta.get(name, 1), layout.get(name, 1)
+        if saved != now:
+            fail(name, now, f"{ckpt_dir} was saved at {name}={saved}; resume with the same size")
+
+
+def check_resumable(load_dir: str, layout: dict) -> None:
+    """Before any process group starts: the checkpoint a resume would pick was saved at the same
+    sequence- and tensor-parallel sizes (this rank's view of ``load_dir``)."""
+    tag = resolve_tag(load_dir, None) if os.path.isdir(load_dir) else None
+    if tag is not None:
+        check_layout(read_meta(os.path.join(load_dir, tag)), layout, os.path.join(load_dir, tag))
+
+
+def pick_tag(load_dir: str, tag: str | None, node_local: bool = False) -> str | None:
+    """Collective: the tag every rank loads: rank 0's pick, or on node-local storage the newest
+    checkpoint complete on every node."""
+    if not node_local:
+        return dist.on_rank_0(resolve_tag, load_dir, tag)
+    views = dist.on_node_writers(node_view, load_dir)
+    chosen = resolve_common_tag(views, load_dir, tag)
+    newest = [done[-1] if done else None for _, done in views]
+    if any(name != chosen for name in newest):
+        dist.print0(f"[checkpoint] newest complete per node: {newest}; every rank resumes from "
+                    f"{chosen}, the newest complete on all of them")
+    return chosen
+
+
 def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     dataloader: Any = None, universal: bool | None = None,
+                    layout: dict | None = None, node_local: bool = False,
                     ) -> tuple[str | None, dict, ResumeState | None]:
     """Load on every rank (collective). Returns the checkpoint directory (None: nothing to
     resume), the caller's client_state and the :class:`ResumeState`. ``universal`` forces (True)
     or forbids (False) the universal conversion; by default it is used when the world size
-    changed."""
-    tag = dist.on_rank_0(resolve_tag, load_dir, tag)  # every rank loads what rank 0 found
+    changed (not for sequence- or tensor-parallel runs: ``layout`` must match the saved one).
+    ``node_local``: each node reads its own copy of ``load_dir``."""
+    layout = dict(layout or {})
+    samples_per_step = layout.pop("samples_per_step", None)
+    tag = pick_tag(load_dir, tag, node_local)
     if tag is None:
         return None, {}, None
     ckpt_dir = os.path.join(load_dir, tag)
     meta = read_meta(ckpt_dir)
+    check_layout(meta, layout, ckpt_dir)
     kw = {"load_optimizer_states": load_optimizer_states,
           "load_lr_scheduler_states": load_lr_scheduler_states}
     if universal is None:
         universal = meta["world_size"] != dist.get_world_size() and meta["zero_stage"] > 0
+    if universal and node_local:
+        raise CheckpointFileError(f"{ckpt_dir}: resuming at another world size converts every "
+                                  "rank's files, which node-local storage spreads over the nodes; "
+                                  "copy each node's files into one shared directory and load that")
     verify_torch_files(ckpt_dir)
     with weights_only_loads():
         if universal:
@@ -74,7 +113,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None,
     if path is None:
         raise CheckpointFileError(f"load_dir={load_dir!r}: DeepSpeed could not load tag {tag!r}; "
                                   f"check {ckpt_dir}")
-    position = progress(engine, dataloader)  # in this run's loader (the world size may differ)
+    position = progress(engine, dataloader, samples_per_step)  # in this run's loader
     if dataloader is not None:
         sampler_of(dataloader).load_state_dict({"epoch": position["epoch"],
                                                 "consumed": position["epoch_consumed"]})

@@ -29,13 +29,16 @@ def sampler_of(dataloader: Any) -> Any:
     return sampler
 
 
-def progress(engine: Any, dataloader: Any = None) -> dict:
+def progress(engine: Any, dataloader: Any = None, samples_per_step: int | None = None) -> dict:
     """Step, consumed samples and (with a loader) the sampler's epoch and position in it.
 
     Every optimizer step consumes ``train_batch_size`` samples and an epoch is a whole number of
     steps (micro-batches left over at its end are dropped, the rule ``trainers.steps`` states),
-    so the position follows from DeepSpeed's sample count (epochs counted from 0)."""
+    so the position follows from the step count (epochs counted from 0). ``samples_per_step``:
+    the run's global batch (DeepSpeed's own sample count counts every tensor-parallel rank)."""
     steps, samples, _ = engine_counters(engine)
+    if samples_per_step is not None:
+        samples = steps * samples_per_step
     out = {"global_step": steps, "consumed_samples": samples, "epoch": None, "epoch_consumed": None}
     if dataloader is not None:
         sampler = sampler_of(dataloader)

@@ -5,7 +5,8 @@ What an exact resume needs travels inside: step, consumed samples, every RNG (on
 save is written under ``<save_dir>/.incomplete/<tag>`` and published into ``<save_dir>/<tag>`` by
 rank 0 only after every rank finished (a re-saved tag keeps its old directory until the new one
 is whole), then ``latest`` is replaced atomically: a killed save never becomes the one
-``load_checkpoint`` picks.
+``load_checkpoint`` picks. On node-local storage each node's local rank 0 does the same for its
+own copy, and a resume takes the newest checkpoint complete on every node.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ def publish(save_dir: str, staged: str, tag: str, meta: dict) -> str:
     return final
 
 
+def _on_node_writers(fn: Callable, *args: Any) -> Any:
+    """``dist.on_node_writers``, returning this node's result (as ``on_rank_0``, rank 0's)."""
+    return dist.on_node_writers(fn, *args)[dist.get_node_rank()]
+
+
 def _reset_staging(staging: str) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging, exist_ok=True)
@@ -84,15 +90,22 @@ def _write_files(engine: Any, staging: str, tag: str, client_state: dict | None,
 def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None,
                     client_state: dict | None = None, max_num: int = 3, max_mem: float = 1000,
                     metric: float | None = None, keep_best: int = 0, higher_is_better: bool = False,
-                    write_metadata: Callable[[str], None] | None = None) -> str:
+                    write_metadata: Callable[[str], None] | None = None,
+                    layout: dict | None = None, node_local: bool = False) -> str:
     """Save on every rank (collective); returns the checkpoint's directory. ``write_metadata(dir)``
-    runs on rank 0 before publishing (the facade writes the model's config.json there)."""
+    runs on the publisher before publishing (the facade writes the model's config.json there);
+    ``layout`` (parallel sizes, samples per step) is recorded for the resume to check. The
+    publisher is rank 0, or with ``node_local`` each node's local rank 0 for its own copy;
+    retention runs once every publisher has published."""
+    on_publisher = _on_node_writers if node_local else dist.on_rank_0
+    layout = dict(layout or {})
+    samples_per_step = layout.pop("samples_per_step", None)
     rng = capture_rng()  # before anything here could draw a random number
     tag = validate_tag(f"global_step{engine_counters(engine)[0]}" if tag is None else tag)
     validate_limits(max_num, max_mem, keep_best)
     check_boundary(engine)
     staging = os.path.join(save_dir, STAGING)
-    dist.on_rank_0(_reset_staging, staging)  # drops what a killed save left
+    on_publisher(_reset_staging, staging)  # drops what a killed save left
     error, detail = None, ""
     try:
         _write_files(engine, staging, tag, client_state, rng)
@@ -101,14 +114,16 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None,
     dist.raise_if_any_failed(error, _failure(save_dir, tag), detail)  # also the barrier
     staged = os.path.join(staging, tag)
     if write_metadata is not None:
-        dist.on_rank_0(write_metadata, staged)
+        on_publisher(write_metadata, staged)
     meta = {"format": 1, "tag": tag, "saved_at": time.time(), "world_size": dist.get_world_size(),
             "zero_stage": int(engine.zero_optimization_stage()),
             "metric": None if metric is None else float(metric),
-            "param_groups": _param_groups(engine), **progress(engine)}
-    final = dist.on_rank_0(publish, save_dir, staged, tag, meta)
-    deleted = dist.on_rank_0(apply_retention, save_dir, max_num, max_mem, keep_best,
-                             higher_is_better)
+            "param_groups": _param_groups(engine), **layout,
+            "storage": "node_local" if node_local else "shared", "nodes": dist.get_num_nodes(),
+            **progress(engine, samples_per_step=samples_per_step)}
+    final = on_publisher(publish, save_dir, staged, tag, meta)
+    deleted = on_publisher(apply_retention, save_dir, max_num, max_mem, keep_best,
+                           higher_is_better)
     if deleted:
         dist.print0(f"checkpoint retention deleted {deleted} from {save_dir}")
     return final

@@ -48,3 +48,28 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
         return latest
     done = complete_tags(load_dir)
     return done[-1] if done else None
+
+
+def node_view(load_dir: str) -> tuple[str | None, list[str]]:
+    """What one node's copy of ``load_dir`` holds: the tag ``latest`` names (if complete) and its
+    complete tags, oldest first."""
+    done = complete_tags(load_dir)
+    latest = _read_latest(load_dir)
+    return (latest if latest in done else None), done
+
+
+def resolve_common_tag(views: list[tuple[str | None, list[str]]], load_dir: str,
+                       tag: str | None) -> str | None:
+    """``resolve_tag`` over every node's copy (``node_view`` of each): the checkpoint complete on
+    all of them. A save killed on one node leaves a tag the others published: it is passed over."""
+    common = [name for name in views[0][1] if all(name in done for _, done in views[1:])]
+    if tag is not None:
+        tag = validate_tag(tag)
+        if tag not in common:
+            fail("tag", tag, f"{load_dir} holds no checkpoint of that name complete on every node; "
+                 f"use one of {common}")
+        return tag
+    latests = {latest for latest, _ in views}
+    if len(latests) == 1 and None not in latests and latests <= set(common):
+        return latests.pop()
+    return common[-1] if common else None

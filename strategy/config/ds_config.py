@@ -27,9 +27,13 @@ def _precision(cfg: StrategyConfig) -> dict:
 
 
 def _batch(cfg: StrategyConfig, world_size: int, micro: int) -> dict:
+    """DeepSpeed checks ``train_batch_size == micro x accumulation x ranks``, counting ranks as
+    the world over the sequence-parallel size (Ulysses' mpu says so) but the whole world under
+    AutoTP (its groups are made after the check): the samples per step are ours either way."""
     accum = cfg.accumulation_steps(world_size)
+    counted = cfg.data_parallel_size(world_size) * cfg.tensor_parallel_size
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
-            "train_batch_size": micro * accum * cfg.data_parallel_size(world_size)}
+            "train_batch_size": micro * accum * counted}
 
 
 def build_ds_config(cfg: StrategyConfig, world_size: int) -> dict:
@@ -62,6 +66,10 @@ def build_ds_config(cfg: StrategyConfig, world_size: int) -> dict:
     }
     if cfg.grad_accum_dtype:
         out["data_types"] = {"grad_accum_dtype": cfg.grad_accum_dtype}
+    if cfg.tensor_parallel_size > 1:
+        # the output layer stays whole: every loss (DPO's log-softmax too) sees full logits
+        out["tensor_parallel"] = {"autotp_size": cfg.tensor_parallel_size,
+                                  "vocab_parallel_lm_head": False}
     return deep_merge(out, cfg.ds_config_overrides)
 
 

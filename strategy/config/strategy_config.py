@@ -37,17 +37,32 @@ class StrategyConfig:
     overlap_comm: bool = doc("overlap gradient reduction with backward", False)
     timeout_minutes: float = doc("a collective waiting longer than this fails "
                                  "(a hung or lost rank)", 30.0)
+    sequence_parallel_size: int = doc("ranks that split each sequence (DeepSpeed Ulysses); 1 off",
+                                      1)
+    tensor_parallel_size: int = doc("ranks that split each weight (DeepSpeed AutoTP, ZeRO 0-2); "
+                                    "1 off", 1)
     ds_config_overrides: dict = doc("dict deep-merged last into the DeepSpeed config", {})
 
     def __post_init__(self) -> None:
         self._check_precision_and_sizes()
         self._check_offload()
+        self._check_parallel()
         if self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
             fail("grad_accum_dtype", self.grad_accum_dtype, "use fp32, bf16 or fp16")
         if not isinstance(self.ds_config_overrides, dict):
             fail("ds_config_overrides", self.ds_config_overrides,
                  "use a mapping, e.g. {steps_per_print: 10}")
         check_overrides(self.ds_config_overrides)
+
+    def _check_parallel(self) -> None:
+        check_positive(self, "sequence_parallel_size", "tensor_parallel_size")
+        if self.sequence_parallel_size > 1 and self.tensor_parallel_size > 1:
+            fail("tensor_parallel_size", self.tensor_parallel_size, "tensor and sequence "
+                 "parallelism together are not supported (DeepSpeed drops Ulysses' groups under "
+                 "AutoTP); use one of them")
+        if self.tensor_parallel_size > 1 and self.zero_stage == 3:
+            fail("tensor_parallel_size", self.tensor_parallel_size, "AutoTP trains with ZeRO 0-2 "
+                 "here; set --zero_stage 1 or 2, or tensor_parallel_size 1")
 
     def _check_precision_and_sizes(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -79,12 +94,27 @@ class StrategyConfig:
                  f"parameter offload needs ZeRO-3, got zero_stage={self.zero_stage}")
 
     # ------------------------------------------------------------ rank arithmetic
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that share one batch: a sequence- or tensor-parallel group."""
+        return self.sequence_parallel_size * self.tensor_parallel_size
+
     def data_parallel_size(self, world_size: int) -> int:
-        """Ranks that see different data."""
-        return world_size
+        """Ranks that see different data: the world over the model-parallel group size."""
+        return world_size // self.model_parallel_size
+
+    def data_parallel_rank(self, rank: int) -> int:
+        """Model-parallel groups are contiguous ranks (DeepSpeed's Ulysses and AutoTP layouts)."""
+        return rank // self.model_parallel_size
 
     def validate_world(self, world_size: int) -> None:
         """Checks that need the number of ranks (known from the launcher's env before init)."""
+        group = self.model_parallel_size
+        if world_size % group:
+            sequence = self.sequence_parallel_size > 1
+            name = "sequence_parallel_size" if sequence else "tensor_parallel_size"
+            fail(name, getattr(self, name), f"the world size {world_size} does not divide by it; "
+                 "use a divisor of the number of ranks")
         dp = self.data_parallel_size(world_size)
         per_step = self.micro_train_batch_size * dp
         if self.train_batch_size % per_step:
@@ -94,5 +124,5 @@ class StrategyConfig:
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches each rank runs per optimizer step."""
-        per_step = self.micro_train_batch_size * self.data_parallel_size(world_size)
-        return self.train_batch_size // per_step
+        per_micro_step = self.micro_train_batch_size * self.data_parallel_size(world_size)
+        return self.train_batch_size // per_micro_step

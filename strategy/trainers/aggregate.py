@@ -73,11 +73,13 @@ def evaluate_lockstep(trainer, loader) -> dict:
         batches += 1
         for key, value in trainer.loss_counts(batch).items():
             counts[key] = counts.get(key, 0.0) + float(value)
-    totals = trainer.strategy.all_reduce({"counts": counts, "batches": batches}, op="sum")
+    totals = trainer.strategy.all_reduce({"counts": counts, "batches": batches}, op="sum",
+                                         group="data")
     trainer.prepare_eval_counts(totals.get("counts", {}), int(totals["batches"]))
     sums = MetricSums()
     for batch, real in _lockstep_batches(loader):
         batch = trainer.to_device(batch)
         trainer.set_micro_counts(trainer.loss_counts(batch))
+        batch = trainer.strategy.shard_sequence(batch)
         sums.add(trainer.eval_metrics(batch), weight=int(real))
     return sums.reduce(trainer.strategy)[0]

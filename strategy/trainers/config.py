@@ -21,6 +21,8 @@ class ModelConfig:
     model_config: str | None = doc("JSON file of an HF config to build a fresh model from "
                                    "(tiny toy runs)", None)
     tokenizer: str | None = doc("tokenizer directory (default: --pretrain)", None)
+    attn_implementation: str = doc("attention kernel: sdpa, flash_attention_2 (GPU; varlen "
+                                   "packing) or eager", "sdpa")
 
     def __post_init__(self) -> None:
         if self.pretrain is None and self.model_config is None:
@@ -50,12 +52,16 @@ class TrainConfig:
     loss_weighting: str = doc("'step': every token (sample, for pair losses) of an optimizer step "
                               "weighs the same, however the step is split; 'micro_batch': each "
                               "micro-batch's mean weighs the same (the old way)", "step")
+    tiled_logits_loss: bool | None = doc("compute the LM loss a chunk of tokens at a time, never "
+                                         "holding all [tokens, vocab] logits (default: from a "
+                                         "vocabulary of 65536 up)", None)
+    logits_chunk_size: int = doc("tokens per chunk of the tiled logits loss", 2048)
     peak_tflops: float | None = doc("accelerator peak TFLOPS per device for the logged MFU "
                                     "(default: known H100/H200/A100 bf16 figures; none on CPU)",
                                     None)
 
     def __post_init__(self) -> None:
-        check_positive(self, "max_epochs", "logging_steps")
+        check_positive(self, "max_epochs", "logging_steps", "logits_chunk_size")
         check_steps(self, "eval_steps", "save_steps", "max_steps")
         if self.loss_weighting not in LOSS_WEIGHTINGS:
             fail("loss_weighting", self.loss_weighting, "use step or micro_batch")

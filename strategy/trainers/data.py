@@ -15,8 +15,7 @@ from strategy.trainers.chat import check_messages, tokenize_chat
 from strategy.trainers.config import DataConfig
 from strategy.trainers.losses import IGNORE
 
-__all__ = ["DataError", "collate_pairs", "collate_sft", "load_pairs", "load_sft", "pack",
-           "read_rows"]
+__all__ = ["DataError", "collate_pairs", "collate_sft", "load_pairs", "load_sft", "read_rows"]
 
 
 def read_rows(path: str, max_samples: int = -1) -> list[dict]:
@@ -166,47 +165,17 @@ def load_pairs(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1
     return _finish(out, stats, path)
 
 
-def pack(samples: list[dict], max_len: int) -> list[dict]:
-    """Greedily concatenate consecutive SFT samples into rows of at most ``max_len`` tokens;
-    ``seq_lens`` keeps the boundaries so attention stays within each sample."""
-    packed, cur = [], {"input_ids": [], "labels": [], "seq_lens": []}
-    for s in samples:
-        if cur["input_ids"] and len(cur["input_ids"]) + len(s["input_ids"]) > max_len:
-            packed.append(cur)
-            cur = {"input_ids": [], "labels": [], "seq_lens": []}
-        cur["input_ids"] += s["input_ids"]
-        cur["labels"] += s["labels"]
-        cur["seq_lens"].append(len(s["input_ids"]))
-    return packed + ([cur] if cur["input_ids"] else [])
-
-
 def _pad(seqs: list[list[int]], value: int) -> torch.Tensor:
-    width = max(len(s) for s in seqs)
-    return torch.tensor([s + [value] * (width - len(s)) for s in seqs])
-
-
-def block_mask(seq_lens: list[list[int]], width: int) -> torch.Tensor:
-    """A 4-d boolean mask (batch, 1, L, L): causal within each packed sample, nothing across."""
-    mask = torch.zeros(len(seq_lens), 1, width, width, dtype=torch.bool)
-    for b, lens in enumerate(seq_lens):
-        start = 0
-        for n in lens:
-            mask[b, 0, start:start + n, start:start + n] = torch.ones(n, n, dtype=torch.bool).tril()
-            start += n
-    return mask
+    width = max(len(seq) for seq in seqs)
+    return torch.tensor([seq + [value] * (width - len(seq)) for seq in seqs])
 
 
 def collate_sft(pad_id: int):
+    """Right-padded rows with their attention mask (packed rows: ``packing.collate_packed``)."""
     def collate(batch: list[dict]) -> dict:
-        ids = _pad([b["input_ids"] for b in batch], pad_id)
-        out = {"input_ids": ids, "labels": _pad([b["labels"] for b in batch], IGNORE)}
-        if "seq_lens" in batch[0]:
-            out["attention_mask"] = block_mask([b["seq_lens"] for b in batch], ids.shape[1])
-            positions = [[i for n in b["seq_lens"] for i in range(n)] for b in batch]
-            out["position_ids"] = _pad(positions, 0)
-        else:
-            out["attention_mask"] = _pad([[1] * len(b["input_ids"]) for b in batch], 0)
-        return out
+        return {"input_ids": _pad([row["input_ids"] for row in batch], pad_id),
+                "labels": _pad([row["labels"] for row in batch], IGNORE),
+                "attention_mask": _pad([[1] * len(row["input_ids"]) for row in batch], 0)}
     return collate
 
 

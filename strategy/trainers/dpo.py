@@ -1,24 +1,33 @@
 """Direct preference optimization against a frozen reference prepared by the same strategy.
 
 The DPO term weighs every pair of a step the same; the optional NLL term on the chosen responses
-weighs every chosen token the same."""
+weighs every chosen token the same. Under sequence parallelism each rank holds a slice of every
+sequence: its log-probability sums are added over the group with a gradient-carrying all-reduce,
+whose backward sums every rank's gradient, so the pair term (the same on every rank) is divided by
+the group size; the NLL term is a sum over this rank's own tokens and needs no such care.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from strategy.trainers.config import DPOConfig
+from strategy.trainers.lm import token_logps
 from strategy.trainers.loop import Trainer
-from strategy.trainers.losses import IGNORE, dpo_loss, dpo_losses, log_softmax_gather
+from strategy.trainers.losses import IGNORE, dpo_loss, dpo_losses
+from strategy.trainers.packing import pair_count, per_sample_sums
 
 __all__ = ["DPOTrainer", "dpo_loss", "sequence_logps"]
 
 
 def sequence_logps(model, batch: dict) -> torch.Tensor:
-    """Summed log-probability of each row's response tokens."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logp, _ = log_softmax_gather(logits, batch["labels"])
-    return logp.sum(-1)
+    """Summed log-probability of each sample's response tokens (of this rank's slice): chosen
+    samples first, then rejected, for plain or packed pair batches."""
+    logp, _ = token_logps(model, batch)
+    if "sample_index" not in batch:
+        return logp.sum(-1)
+    index = batch["sample_index"][:, 1:]  # the token each next-token target is
+    return per_sample_sums(logp, index, 2 * pair_count(batch))
 
 
 class DPOTrainer(Trainer):
@@ -34,18 +43,24 @@ class DPOTrainer(Trainer):
         self.ref_model = strategy.prepare(ref_model)
 
     def loss_counts(self, batch: dict) -> dict[str, int]:
-        half = int(batch["input_ids"].shape[0]) // 2
-        return {"pairs": half, "chosen_tokens": int((batch["labels"][:half, 1:] != IGNORE).sum())}
+        pairs = pair_count(batch)
+        if "sample_index" in batch:  # packed: chosen samples are numbered below `pairs`
+            chosen = (batch["sample_index"][:, 1:] < pairs) & (batch["sample_index"][:, 1:] >= 0)
+            tokens = chosen & (batch["labels"][:, 1:] != IGNORE)
+        else:
+            tokens = batch["labels"][:pairs, 1:] != IGNORE
+        return {"pairs": pairs, "chosen_tokens": int(tokens.sum())}
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        logps = sequence_logps(self.model, batch).float()
+        local = sequence_logps(self.model, batch).float()
+        logps = self.strategy.sequence_sum(local, keep_gradient=True)
         with torch.no_grad():
-            ref = sequence_logps(self.ref_model, batch).float()
+            ref = self.strategy.sequence_sum(sequence_logps(self.ref_model, batch).float())
         half = logps.shape[0] // 2
         losses, metrics = dpo_losses(logps[:half], logps[half:], ref[:half], ref[half:],
                                      self.dpo.beta, self.dpo.label_smoothing)
-        loss = self.normalize(losses.sum(), "pairs")
+        loss = self.normalize(losses.sum(), "pairs") / self.strategy.sequence_parallel_size
         if self.dpo.nll_loss_coef > 0:
-            nll = self.normalize(-logps[:half].sum(), "chosen_tokens")
+            nll = self.normalize(-local[:half].sum(), "chosen_tokens")
             loss = loss + self.dpo.nll_loss_coef * nll
         return loss, metrics

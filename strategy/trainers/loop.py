@@ -73,9 +73,10 @@ class Trainer:
 
     def eval_metrics(self, batch: dict) -> dict:
         loss, metrics = self.compute_loss(batch)
+        value = self.strategy.sequence_sum(loss.detach()).item()  # sequence slices add up
         if self._normalized:  # an exact share of the evaluation's loss: the shares add up
-            return {"loss": (loss.item(), self._eval_share), **metrics}
-        return {"loss": loss.item(), **metrics}
+            return {"loss": (value, self._eval_share), **metrics}
+        return {"loss": value, **metrics}
 
     def normalize(self, total: torch.Tensor, key: str) -> torch.Tensor:
         """``total`` (a sum over this micro-batch's ``key`` items) as this micro-batch's share of
@@ -136,12 +137,14 @@ class Trainer:
         if self.cfg.loss_weighting == "step":  # the one collective that makes losses exact
             local = {key: float(sum(c[key] for c in counts)) for key in counts[0]}
             self.step_counts = self.strategy.all_reduce(local, op="sum", group="data")
-        return list(zip(micro, counts))
+        for batch in micro:
+            self.meter.count(batch)
+        return [(self.strategy.shard_sequence(batch), count) for batch, count in zip(micro, counts)]
 
     def _train_epoch(self, epoch: int, steps: int, bar: tqdm) -> None:
         """``steps`` optimizer steps from where the loader stands."""
         self.model.train()
-        self._loss_scale = self.strategy.accumulation_steps * self.strategy.data_parallel_size
+        self._loss_scale = self.strategy.loss_scale
         batches = iter(self.train_dataloader)
         for _ in range(steps):
             self.meter.start()
@@ -151,8 +154,8 @@ class Trainer:
                 loss, metrics = self.compute_loss(batch)
                 self.strategy.backward(loss, self.model)
                 self.strategy.optimizer_step(self.model)
-                sums.add({"loss": loss.item(), **metrics})
-                self.meter.count(batch)
+                logged = self.strategy.sequence_sum(loss.detach())  # sequence slices add up
+                sums.add({"loss": logged.item(), **metrics})
             self._after_step(epoch, sums, bar)
 
     def _after_step(self, epoch: int, sums: MetricSums, bar: tqdm) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100  # label of tokens that are not scored (prompt, padding)
+from strategy.model import IGNORE_INDEX as IGNORE
 
 
 def response_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -15,13 +15,15 @@ from typing import Any, Sequence
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from strategy.checkpoint import CheckpointConfig
+from strategy import dist
+from strategy.checkpoint import CheckpointConfig, check_resumable
 from strategy.config import StrategyConfig, parse_configs
 from strategy.deepspeed_strategy import DeepSpeedStrategy
 from strategy.errors import ConfigError
 from strategy.lora import apply_lora, check_targets
 from strategy.optim import OptimConfig
-from strategy.trainers import data
+from strategy.parallel import check_sequence_parallel, check_tensor_parallel
+from strategy.trainers import data, packing
 from strategy.trainers.config import DataConfig, DPOConfig, LoraConfig, ModelConfig, TrainConfig
 from strategy.trainers.steps import plan_steps
 
@@ -48,7 +50,13 @@ class Run:
         configs, namespace = parse_configs(CONFIG_CLASSES, argv, parser)
         strategy_cfg, optim_cfg, ckpt_cfg, model_cfg, train_cfg, data_cfg, lora_cfg, dpo = configs
         check_paths(model_cfg, train_cfg, data_cfg, ckpt_cfg)
-        check_lora_targets(model_cfg, lora_cfg)
+        dist.from_slurm()  # the ranks srun started
+        strategy_cfg.validate_world(dist.get_world_size())  # from the launcher's environment
+        check_model(model_cfg, lora_cfg, data_cfg, strategy_cfg)
+        if train_cfg.load_checkpoint:
+            check_resumable(ckpt_cfg.ckpt_path, {
+                "sequence_parallel_size": strategy_cfg.sequence_parallel_size,
+                "tensor_parallel_size": strategy_cfg.tensor_parallel_size})
         strategy = DeepSpeedStrategy(strategy_cfg, optim_cfg, ckpt_cfg)
         strategy.setup_distributed()
         run = cls(strategy, model_cfg, train_cfg, data_cfg, lora_cfg, dpo, args=namespace)
@@ -66,11 +74,12 @@ class Run:
               modules_to_save: list[str] | None = None, **kwargs: Any):
         """The model to train (LoRA-wrapped when ``lora_rank`` > 0), partitioned under ZeRO-3."""
         pretrain = self.model_cfg.pretrain
+        attention = {"attn_implementation": self.model_cfg.attn_implementation}
         if pretrain:
-            model = self.strategy.from_pretrained(pretrain, auto_cls, **kwargs)
+            model = self.strategy.from_pretrained(pretrain, auto_cls, **attention, **kwargs)
         else:
             source = hf_config(self.model_cfg.model_config, self.tokenizer, **kwargs)
-            model = self.strategy.from_pretrained(source, auto_cls)
+            model = self.strategy.from_pretrained(source, auto_cls, **attention)
         if self.lora.lora_rank:
             model = apply_lora(model, self.lora.lora_rank, self.lora.lora_alpha,
                                self.lora.lora_dropout, self.lora.target_modules, lora_task,
@@ -81,10 +90,12 @@ class Run:
         """(train, eval) loaders of ``sft`` samples or preference ``pairs``."""
         load = data.load_sft if kind == "sft" else data.load_pairs
         collate_fn = data.collate_sft if kind == "sft" else data.collate_pairs
-        collate = collate_fn(self.tokenizer.pad_token_id)
         train = load(self.data.dataset, self.tokenizer, self.data, self.data.max_samples)
-        if kind == "sft" and self.data.packing_samples:
-            train = data.pack(train, self.data.max_len)
+        if self.data.packing_samples:
+            pack = packing.pack if kind == "sft" else packing.pack_pairs
+            collate_fn = packing.collate_packed if kind == "sft" else packing.collate_packed_pairs
+            train = pack(train, self.data.max_len)
+        collate = collate_fn(self.tokenizer.pad_token_id)
         config = self.strategy.config
         if len(train) < config.train_batch_size:
             raise ConfigError(f"train_batch_size={config.train_batch_size} is invalid: larger than "
@@ -139,17 +150,28 @@ def check_paths(model: ModelConfig, train: TrainConfig, data_cfg: DataConfig,
                               "writable directory")
 
 
-def check_lora_targets(model: ModelConfig, lora: LoraConfig) -> None:
-    """Check LoRA target modules on a weightless (meta-device) copy of the model, before any
-    rank starts."""
-    if not lora.lora_rank or lora.target_modules.strip() == "all-linear":
-        return
+def check_model(model: ModelConfig, lora: LoraConfig, data_cfg: DataConfig,
+                strategy: StrategyConfig) -> None:
+    """What the model's config decides, before any rank starts: LoRA targets (on a weightless
+    meta-device copy), packing, sequence parallelism."""
     if model.pretrain:
         config = AutoConfig.from_pretrained(model.pretrain)
     else:
         config = hf_config(model.model_config)
-    with torch.device("meta"):
-        check_targets(AutoModelForCausalLM.from_config(config), lora.target_modules)
+    config._attn_implementation = model.attn_implementation
+    if lora.lora_rank and lora.target_modules.strip() != "all-linear":
+        with torch.device("meta"):
+            check_targets(AutoModelForCausalLM.from_config(config), lora.target_modules)
+    if data_cfg.packing_samples:
+        packing.check_packing_family(config.model_type)
+    sequence = strategy.sequence_parallel_size
+    check_sequence_parallel(config, sequence)
+    check_tensor_parallel(config, strategy.tensor_parallel_size)
+    if sequence > 1 and data_cfg.packing_samples and model.attn_implementation == "sdpa":
+        raise ConfigError(f"packing_samples=True is invalid with sequence_parallel_size={sequence} "
+                          "and sdpa: Ulysses drops masks, so sdpa would attend across packed "
+                          "samples; use --attn_implementation flash_attention_2 (GPU) or no "
+                          "packing")
 
 
 def _writable(path: str) -> bool:

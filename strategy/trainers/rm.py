@@ -5,24 +5,47 @@ from __future__ import annotations
 
 import torch
 
+from strategy.errors import fail
+from strategy.model import base_model
+from strategy.trainers.lm import forward_inputs
 from strategy.trainers.loop import Trainer
 from strategy.trainers.losses import pairwise_losses, pairwise_metrics
+from strategy.trainers.packing import pair_count
 
 __all__ = ["RewardModelTrainer", "pairwise_metrics"]
+
+
+def packed_scores(model, batch: dict) -> torch.Tensor:
+    """Each packed sample's score, from the backbone's hidden state at its own last token (the
+    model's pooled output would take one token per row)."""
+    model = base_model(model)
+    states = getattr(model, model.base_model_prefix)(**forward_inputs(batch)).last_hidden_state
+    picked = states.reshape(-1, states.shape[-1])[batch["last_token"]]
+    return model.score(picked)[:, 0]
 
 
 class RewardModelTrainer(Trainer):
     """``AutoModelForSequenceClassification(num_labels=1)`` on pairs collated
     chosen-then-rejected."""
 
+    def __init__(self, strategy, *args, **kwargs) -> None:
+        if strategy.config.sequence_parallel_size > 1:
+            fail("sequence_parallel_size", strategy.config.sequence_parallel_size, "a reward "
+                 "model scores each sequence's last token, which one slice holds; train it "
+                 "without sequence parallelism")
+        super().__init__(strategy, *args, **kwargs)
+
     def rewards(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.model(input_ids=batch["input_ids"],
-                            attention_mask=batch["attention_mask"]).logits[:, 0]
+        """(chosen, rejected) scores; packed rows score each sample at its own last token."""
+        if "last_token" in batch:
+            scores = packed_scores(self.model.module, batch)
+        else:
+            scores = self.model(**forward_inputs(batch)).logits[:, 0]
         half = scores.shape[0] // 2
         return scores[:half].float(), scores[half:].float()
 
     def loss_counts(self, batch: dict) -> dict[str, int]:
-        return {"pairs": int(batch["input_ids"].shape[0]) // 2}
+        return {"pairs": pair_count(batch)}
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
         chosen, rejected = self.rewards(batch)

@@ -1,16 +1,17 @@
 """Supervised fine-tuning: causal-LM loss on response tokens only, every response token of a
-step weighing the same."""
+step weighing the same; optionally tiled over the vocabulary (``--tiled_logits_loss``)."""
 
 from __future__ import annotations
 
 import torch
 
+from strategy.trainers.lm import forward_inputs, tiled_loss_sum
 from strategy.trainers.loop import Trainer
 from strategy.trainers.losses import IGNORE, response_loss
 
-__all__ = ["SFTTrainer", "response_loss"]
+__all__ = ["SFTTrainer", "response_loss", "response_tokens"]
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
+TILE_VOCAB = 65536  # automatic tiling from this vocabulary size up (--tiled_logits_loss unset)
 
 
 def response_tokens(labels: torch.Tensor) -> int:
@@ -26,9 +27,27 @@ class SFTTrainer(Trainer):
         return {"tokens": response_tokens(batch["labels"])}
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        # the model's own loss shifts the labels, not the logits (no copy of the largest tensor);
-        # num_items_in_batch=1 makes it the sum over scored tokens, which normalize() divides
-        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        total = self.model(**inputs, num_items_in_batch=1).loss
-        metrics = {"response_tokens": response_tokens(batch["labels"])}
-        return self.normalize(total, "tokens"), metrics
+        metrics = {"response_tokens": self._micro_counts["tokens"]}  # of the whole batch
+        return self.normalize(self.loss_sum(batch), "tokens"), metrics
+
+    @property
+    def tiled(self) -> bool:
+        """Tiled when asked, or automatically for vocabularies of TILE_VOCAB and more; the same
+        on every rank (they must call the output layer alike)."""
+        if self.cfg.tiled_logits_loss is not None:
+            return self.cfg.tiled_logits_loss
+        return self.model.module.config.get_text_config().vocab_size >= TILE_VOCAB
+
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        """Next-token cross-entropy summed over the scored tokens of this micro-batch (of this
+        rank's sequence slice under sequence parallelism)."""
+        if self.tiled:
+            length = batch["input_ids"].numel()
+            most = int(self.strategy.all_reduce(length, op="max"))
+            return tiled_loss_sum(self.model, batch, self.cfg.logits_chunk_size, most)
+        inputs = forward_inputs(batch)
+        if "shift_labels" in batch:  # a sequence-parallel slice: its targets are shifted already
+            inputs.update(labels=batch["shift_labels"], shift_labels=batch["shift_labels"])
+        else:  # the model's own loss shifts the labels, not the logits (no copy of the largest)
+            inputs["labels"] = batch["labels"]
+        return self.model(**inputs, num_items_in_batch=1).loss  # a sum: normalize() divides

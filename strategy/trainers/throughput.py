@@ -59,10 +59,13 @@ class StepMeter:
 
     def count(self, batch: dict) -> None:
         """Tokens (non-padding where a mask says so) and samples of one micro-batch."""
-        ids = batch["input_ids"]
-        mask = batch.get("attention_mask")
-        real = mask is not None and mask.dim() == ids.dim()
-        self.tokens += int(mask.sum()) if real else ids.numel()
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        if "token_count" in batch:  # packed rows say how many of their tokens are real
+            self.tokens += int(batch["token_count"])
+        elif mask is not None and mask.dim() == ids.dim():
+            self.tokens += int(mask.sum())
+        else:
+            self.tokens += ids.numel()
         self.samples += int(ids.shape[0])
 
     def local(self) -> dict:

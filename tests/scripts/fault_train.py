@@ -2,6 +2,9 @@
 
 torchrun --nproc_per_node 2 tests/scripts/fault_train.py --fault raise --fault_rank 1 \
     --fault_step 3 [SFT flags]
+
+``--fault kill_in_save``: the rank SIGKILLs itself inside the checkpoint save of that step, its
+files written, just before it would publish them (the multi-node tests kill one "node" so).
 """
 
 import argparse
@@ -30,12 +33,29 @@ class FaultySFT(SFTTrainer):
         return loss, metrics
 
 
+def kill_in_save(rank: int, fault_rank: int, fault_step: int) -> None:
+    from strategy.checkpoint import save
+
+    publish = save.publish
+
+    def killing_publish(save_dir, staged, tag, meta):
+        if rank == fault_rank and meta["global_step"] == fault_step:
+            print(f"KILLED rank {rank} before publishing {tag}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return publish(save_dir, staged, tag, meta)
+
+    save.publish = killing_publish
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fault", default="none", choices=["none", "raise", "kill", "nan"])
+    parser.add_argument("--fault", default="none",
+                        choices=["none", "raise", "kill", "nan", "kill_in_save"])
     parser.add_argument("--fault_rank", type=int, default=1)
     parser.add_argument("--fault_step", type=int, default=3)
     with Run.from_args(None, parser) as run:
+        if run.args.fault == "kill_in_save":
+            kill_in_save(run.strategy.rank, run.args.fault_rank, run.args.fault_step)
         trainer = run.trainer(FaultySFT, run.model())
         trainer.fault, trainer.fault_rank = run.args.fault, run.args.fault_rank
         trainer.fault_step = run.args.fault_step

@@ -1,0 +1,78 @@
+"""Language-model forwards the trainers share: next-token targets with or without sequence
+parallelism, the summed loss (plain, or tiled so the [tokens, vocab] logits never exist at once),
+and per-token log-probabilities.
+
+A sequence-parallel slice carries ``shift_labels`` (labels already shifted, aligned with its own
+positions); a plain batch carries ``labels`` (the model shifts them). Tiled: the backbone's hidden
+states go through the output layer a chunk of tokens at a time under activation checkpointing, so
+forward and backward each hold one chunk's logits. Every rank runs the same number of chunks (one
+max over ranks per micro-batch): under ZeRO-3 each call of the output layer gathers its weight,
+and ranks must gather alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from strategy.model import base_model
+from strategy.trainers.losses import IGNORE
+
+FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def forward_inputs(batch: dict) -> dict:
+    """What the model's forward takes from a batch (no cache: packed rows need none)."""
+    return {key: batch[key] for key in FORWARD_KEYS if key in batch} | {"use_cache": False}
+
+
+def targets_of(batch: dict) -> tuple[torch.Tensor, bool]:
+    """(next-token targets, already aligned with every position) for a batch."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"], True
+    return batch["labels"][:, 1:], False
+
+
+def logits_bytes(rows: int, length: int, vocab: int) -> int:
+    """The fp32 logits a plain forward would hold."""
+    return rows * length * vocab * 4
+
+
+def _chunk_loss(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE, reduction="sum")
+
+
+def tiled_loss_sum(engine, batch: dict, chunk_tokens: int, max_tokens: int) -> torch.Tensor:
+    """Summed next-token cross-entropy, ``chunk_tokens`` positions of logits at a time;
+    ``max_tokens`` (the most any rank has) fixes how many chunks every rank runs."""
+    model = base_model(engine.module)
+    backbone = getattr(model, model.base_model_prefix)
+    head = model.get_output_embeddings()
+    hidden = backbone(**forward_inputs(batch)).last_hidden_state
+    targets, aligned = targets_of(batch)
+    if not aligned:
+        hidden = hidden[:, :-1]
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for index in range(math.ceil(max_tokens / chunk_tokens)):
+        window = slice(index * chunk_tokens, (index + 1) * chunk_tokens)
+        part, goal = hidden[window], targets[window]
+        if part.shape[0] == 0:  # past this rank's end: an empty call keeps the ranks in step
+            part, goal = hidden[:1] * 0, torch.full_like(targets[:1], IGNORE)
+        total = total + checkpoint(_chunk_loss, part, goal, head, use_reentrant=False)
+    return total
+
+
+def token_logps(engine, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position log-probability of each next-token target, and the mask of scored ones."""
+    logits = engine(**forward_inputs(batch)).logits
+    targets, aligned = targets_of(batch)
+    if not aligned:
+        logits = logits[:, :-1]
+    mask = targets != IGNORE
+    picked = targets.clamp(min=0).unsqueeze(-1)
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, picked).squeeze(-1)
+    return logp * mask, mask

@@ -1,0 +1,161 @@
+"""Sequence parallelism (DeepSpeed Ulysses) and tensor parallelism (AutoTP) at 2 CPU ranks against
+the same run without them: the same step losses, grad norms and exported weights; an exact
+resume; the tiled logits loss equal to the plain one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+# fp32 and sdpa: sp=2 all-to-alls and a different reduction order change float rounding only
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from strategy.demos.toy_task import make
+    from strategy.trainers.recipe import hf_config
+
+    root = tmp_path_factory.mktemp("parallel")
+    make(str(root / "data"), n_train=96, n_test=13)
+    tok = AutoTokenizer.from_pretrained(str(root / "data" / "tokenizer"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", tok))
+    model.save_pretrained(root / "init")
+    tok.save_pretrained(root / "init")
+    return root
+
+
+def _argv(root, name: str, sp: int, dataset: str, tp: int = 1, **extra) -> list[str]:
+    dp = 2 // (sp * tp)
+    args = {"zero_stage": 2, "sequence_parallel_size": sp, "tensor_parallel_size": tp,
+            "micro_train_batch_size": 4 // dp,
+            "train_batch_size": 4, "micro_eval_batch_size": 4, "learning_rate": 1e-3,
+            "lr_warmup_ratio": 0.0, "max_len": 16, "max_steps": 4, "max_epochs": 5,
+            "logging_steps": 1, "pretrain": f"{root}/init",
+            "dataset": f"{root}/data/{dataset}_train.jsonl".replace("sft_", ""),
+            "eval_dataset": f"{root}/data/{dataset}_test.jsonl".replace("sft_", ""),
+            "save_path": f"{root}/{name}/model", "ckpt_path": f"{root}/{name}/ckpt",
+            "log_dir": f"{root}/{name}/logs", **extra}
+    flags = {True: "--{}", False: "--no-{}"}
+    return [flags[v].format(k) if isinstance(v, bool) else f"--{k}={v}" for k, v in args.items()]
+
+
+def train(root: str, name: str, sp: int, kind: str, tp: int = 1, **extra) -> dict:
+    from strategy.internals import is_tensor_parallel_param
+    from strategy.trainers import DPOTrainer, SFTTrainer
+    from strategy.trainers.recipe import Run
+
+    dataset = "sft" if kind == "sft" else "pairs"
+    with Run.from_args(_argv(root, name, sp, dataset, tp, **extra)) as run:
+        model = run.model()
+        if kind == "sft":
+            trainer = run.trainer(SFTTrainer, model)
+        else:
+            reference = run.strategy.from_pretrained(f"{root}/init")
+            trainer = run.trainer(DPOTrainer, model, "pairs", ref_model=reference, dpo=run.dpo)
+        final = trainer.fit()
+        split = [n for n, p in trainer.model.named_parameters() if is_tensor_parallel_param(p)]
+    return {"history": trainer.history, "final": final, "split": split}
+
+
+def _exported(path) -> dict[str, torch.Tensor]:
+    return load_file(f"{path}/model.safetensors")
+
+
+def _assert_same_run(a: dict, b: dict, root, names: tuple[str, str]) -> None:
+    for key in ("loss", "grad_norm"):
+        want = [row[key] for row in a["history"]]
+        got = [row[key] for row in b["history"]]
+        assert got == pytest.approx(want, rel=RTOL), (key, got, want)
+    assert b["final"]["loss"] == pytest.approx(a["final"]["loss"], rel=RTOL)
+    first, second = _exported(f"{root}/{names[0]}/model"), _exported(f"{root}/{names[1]}/model")
+    assert first.keys() == second.keys()
+    for name, value in first.items():  # per tensor: Adam turns a rounding-level gradient
+        gap = (second[name] - value).norm() / value.norm()  # gap on a near-zero entry into a
+        assert gap <= RTOL, (name, float(gap))  # larger one on that entry alone
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sft_with_sequence_parallel_matches_without(ranks, toy, stage):
+    extra = {"zero_stage": stage}
+    if stage == 3:
+        extra["ds_config_overrides"] = json.dumps(
+            {"zero_optimization": {"stage3_param_persistence_threshold": 0}})
+    plain = ranks.run(train, str(toy), f"sft{stage}-sp1", 1, "sft", **extra)[0]
+    split = ranks.run(train, str(toy), f"sft{stage}-sp2", 2, "sft", **extra)
+    same = [[(row["loss"], row["grad_norm"]) for row in out["history"]] for out in split]
+    assert same[0] == same[1], "the two slices must log the same steps"
+    _assert_same_run(plain, split[0], toy, (f"sft{stage}-sp1", f"sft{stage}-sp2"))
+
+
+@pytest.mark.slow
+def test_dpo_with_nll_under_sequence_parallel_matches_without(ranks, toy):
+    extra = {"nll_loss_coef": 0.5, "beta": 0.2}
+    plain = ranks.run(train, str(toy), "dpo-sp1", 1, "dpo", **extra)[0]
+    split = ranks.run(train, str(toy), "dpo-sp2", 2, "dpo", **extra)[0]
+    assert plain["history"][0]["reward_margin"] == pytest.approx(0.0, abs=1e-6)
+    _assert_same_run(plain, split, toy, ("dpo-sp1", "dpo-sp2"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sequence", "tensor"])
+def test_model_parallel_run_resumes_exactly_and_only_at_its_size(ranks, toy, kind):
+    sizes = {"sp": 2, "tp": 1} if kind == "sequence" else {"sp": 1, "tp": 2}
+    name = f"{kind}-resume"
+    full = ranks.run(train, str(toy), name, sizes["sp"], "sft", tp=sizes["tp"], save_steps=2)[0]
+    ckpt = toy / name / "ckpt"
+    shutil.rmtree(ckpt / "global_step4")
+    (ckpt / "latest").write_text("global_step2")
+    resumed = ranks.run(train, str(toy), name, sizes["sp"], "sft", tp=sizes["tp"], save_steps=2,
+                        load_checkpoint=True)[0]
+    want = {row["step"]: row["loss"] for row in full["history"][2:]}
+    assert {row["step"]: row["loss"] for row in resumed["history"]} == want  # bit-identical
+    with pytest.raises(Exception, match=rf"{kind}_parallel_size=1 is invalid: .*saved at "
+                       rf"{kind}_parallel_size=2; resume with the same size"):
+        ranks.run(train, str(toy), name, 1, "sft", tp=1, save_steps=2, load_checkpoint=True)
+    assert (ckpt / "global_step2").is_dir()  # the refused resume lost nothing
+
+
+TILED = [(2, 1), (3, 1), (3, 2)]  # (ZeRO stage, sequence-parallel size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,sp", TILED, ids=[f"zero{z}-sp{p}" for z, p in TILED])
+def test_tiled_logits_loss_equals_the_plain_loss(ranks, toy, stage, sp):
+    """The same losses, grad norms and weights with the logits of 3 tokens at a time (every rank
+    running as many chunks as the longest, for ZeRO-3's gathers) or all at once."""
+    extra = {"zero_stage": stage}
+    if stage == 3:
+        extra["ds_config_overrides"] = json.dumps(
+            {"zero_optimization": {"stage3_param_persistence_threshold": 0}})
+    names = (f"tile-off-{stage}-{sp}", f"tile-on-{stage}-{sp}")
+    plain = ranks.run(train, str(toy), names[0], sp, "sft", tiled_logits_loss=False, **extra)[0]
+    tiled = ranks.run(train, str(toy), names[1], sp, "sft", tiled_logits_loss=True,
+                      logits_chunk_size=3, **extra)[0]
+    _assert_same_run(plain, tiled, toy, names)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_sft_with_tensor_parallel_matches_without(ranks, toy, stage):
+    """tp=2 (one batch, half of every projection per rank) against tp=1 (two data-parallel
+    ranks): the same losses and grad norms (ZeRO-0's measured by us, 1/2's by DeepSpeed), and
+    exports that hold the same whole weights."""
+    names = (f"tp1-zero{stage}", f"tp2-zero{stage}")
+    plain = ranks.run(train, str(toy), names[0], 1, "sft", tp=1, zero_stage=stage)[0]
+    split = ranks.run(train, str(toy), names[1], 1, "sft", tp=2, zero_stage=stage)
+    same = [[(row["loss"], row["grad_norm"]) for row in out["history"]] for out in split]
+    assert same[0] == same[1], "the two slices must log the same steps"
+    assert not plain["split"]
+    projections = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   "lm_head"}  # the output layer: split by column, its logits gathered whole
+    assert {name.split(".")[-2] for name in split[0]["split"]} == projections
+    _assert_same_run(plain, split[0], toy, names)
