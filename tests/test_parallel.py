@@ -118,10 +118,30 @@ def test_model_parallel_run_resumes_exactly_and_only_at_its_size(ranks, toy, kin
                         load_checkpoint=True)[0]
     want = {row["step"]: row["loss"] for row in full["history"][2:]}
     assert {row["step"]: row["loss"] for row in resumed["history"]} == want  # bit-identical
-    with pytest.raises(Exception, match=rf"{kind}_parallel_size=1 is invalid: .*saved at "
-                       rf"{kind}_parallel_size=2; resume with the same size"):
-        ranks.run(train, str(toy), name, 1, "sft", tp=1, save_steps=2, load_checkpoint=True)
-    assert (ckpt / "global_step2").is_dir()  # the refused resume lost nothing
+    refused = ranks.run(refused_resume, str(toy), name)
+    for message in refused:  # every rank, before any process group or engine
+        assert message.startswith(f"{kind}_parallel_size=1 is invalid: "), message
+        assert message.endswith(f"saved at {kind}_parallel_size=2; resume with the same size")
+    assert (ckpt / "global_step2").is_dir() and (ckpt / "global_step4").is_dir()  # nothing lost
+
+
+def refused_resume(root: str, name: str) -> str:
+    import deepspeed
+
+    from strategy.errors import ConfigError
+    from strategy.trainers.recipe import Run
+
+    def reached(*args, **kwargs):
+        raise AssertionError("init_distributed was reached")
+
+    original, deepspeed.init_distributed = deepspeed.init_distributed, reached
+    try:
+        Run.from_args(_argv(root, name, 1, "sft", 1, save_steps=2, load_checkpoint=True))
+    except ConfigError as exc:
+        return str(exc)
+    finally:
+        deepspeed.init_distributed = original
+    return "no error"
 
 
 TILED = [(2, 1), (3, 1), (3, 2)]  # (ZeRO stage, sequence-parallel size)
