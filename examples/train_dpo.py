@@ -13,7 +13,8 @@ def main(argv: list[str] | None = None) -> dict:
     with Run.from_args(argv) as run:
         model = run.model()
         pretrain = run.model_cfg.pretrain
-        reference = run.strategy.from_pretrained(pretrain) if pretrain else _copy_of(run, model)
+        reference = (run.strategy.from_pretrained(pretrain, frozen=True) if pretrain
+                     else _copy_of(run, model))
         trainer = run.trainer(DPOTrainer, model, "pairs", ref_model=reference, dpo=run.dpo)
         return trainer.fit()
 

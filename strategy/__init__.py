@@ -4,7 +4,8 @@ Layers, each importing only from the ones above it:
     errors, dtypes, internals            what everything shares (no other strategy import)
     dist, atomic_fs                      ranks and collectives; files that appear whole
     config/                              typed configs, CLI/YAML binding, DeepSpeed config builder
-    optim/, checkpoint/, sampler, metrics, lora     one concern each
+    optim/, checkpoint/, sampler, metrics, lora, ops     one concern each
+    ema                                  moving average of the weights, partitioned like them
     model, parallel/, export/            HF models; sequence/tensor parallelism; HF export
     deepspeed_strategy                   the facade: DeepSpeedStrategy
     trainers/, demos/                    loops and recipes built on the facade

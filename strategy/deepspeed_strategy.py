@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -15,7 +16,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from transformers.integrations import HfDeepSpeedConfig
-from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from strategy import dist
 from strategy.checkpoint import (
@@ -28,7 +29,8 @@ from strategy.checkpoint import (
 )
 from strategy.config import StrategyConfig, build_ds_config, build_eval_ds_config
 from strategy.dtypes import training_dtype
-from strategy.errors import fail
+from strategy.ema import EMA
+from strategy.errors import CheckpointFileError, fail
 from strategy.export import save_model, save_model_metadata
 from strategy.internals import (
     engine_measures_grad_norm,
@@ -141,6 +143,11 @@ class DeepSpeedStrategy:
     def barrier(self) -> None:
         dist.barrier()
 
+    def checked(self, fn: Callable, *args: Any) -> Any:
+        """Collective: ``fn(*args)`` on every rank; an error on any rank is raised on all of them
+        (one line naming the rank), so a trainer never branches on which rank failed."""
+        return dist.checked(fn, *args)
+
     def on_rank_0(self, fn: Callable, *args: Any) -> Any:
         """Collective: ``fn(*args)`` runs on rank 0 only (file writes); every rank returns its
         result or raises its error."""
@@ -194,15 +201,25 @@ class DeepSpeedStrategy:
 
     # ------------------------------------------------------------ models and optimizers
     def from_pretrained(self, name_or_config: Any, auto_cls: Any = None,
-                        dtype: torch.dtype | None = None, **kwargs: Any) -> nn.Module:
+                        dtype: torch.dtype | None = None, frozen: bool = False,
+                        **kwargs: Any) -> nn.Module:
         """Build a Hugging Face model (path, hub name or config); partitioned at construction
-        under ZeRO-3."""
+        under ZeRO-3. ``frozen``: a model that only runs forwards (a reference or reward model),
+        built as its eval engine keeps it (with ``ref_offload``: partitioned onto the CPU)."""
+        dtype = dtype or self.dtype
+        if frozen and self.eval_ds_config["zero_optimization"]["stage"] == 3:
+            eval_hook = HfDeepSpeedConfig(_construction(self.eval_ds_config))
+            try:
+                return build_hf_model(name_or_config, auto_cls, dtype, **kwargs)
+            finally:
+                del eval_hook
+                if self._hf_ds_config is not None:
+                    set_hf_deepspeed_config(self._hf_ds_config)
+                else:
+                    unset_hf_deepspeed_config()
         if self.config.zero_stage == 3 and self._hf_ds_config is None:
-            # transformers checks the batch sizes without Ulysses' groups (over the whole
-            # world); construction needs only the ZeRO section, so let DeepSpeed derive the batch
-            construction = {k: v for k, v in self.ds_config.items() if k != "train_batch_size"}
-            self._hf_ds_config = HfDeepSpeedConfig(construction)
-        return build_hf_model(name_or_config, auto_cls, dtype or self.dtype, **kwargs)
+            self._hf_ds_config = HfDeepSpeedConfig(_construction(self.ds_config))
+        return build_hf_model(name_or_config, auto_cls, dtype, **kwargs)
 
     def create_optimizer(self, model: nn.Module, lr: float | None = None,
                          betas: tuple[float, float] | None = None,
@@ -314,12 +331,13 @@ class DeepSpeedStrategy:
     # ------------------------------------------------------------ Hugging Face export
     def save_model(self, engine, tokenizer: Any, output_dir: str | Path,
                    max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None,
-                   merge_lora: bool = False) -> Path:
+                   merge_lora: bool = False, ema: EMA | None = None) -> Path:
         """Every rank: stream an HF directory (sharded safetensors, config, tokenizer; a LoRA
         model's adapter, or merged with ``merge_lora``) to ``output_dir``, atomically, written
-        by rank 0 only."""
-        out = save_model(engine, tokenizer, output_dir, max_shard_size=max_shard_size, dtype=dtype,
-                         merge_lora=merge_lora)
+        by rank 0 only; with ``ema`` the moving-average weights instead of the current ones."""
+        with ema.swapped_in() if ema is not None else nullcontext():
+            out = save_model(engine, tokenizer, output_dir, max_shard_size=max_shard_size,
+                             dtype=dtype, merge_lora=merge_lora)
         dist.print0(f"[save_model] wrote {os.path.abspath(out)} from global rank 0 on "
                     f"{socket.gethostname()}")
         return out
@@ -329,14 +347,14 @@ class DeepSpeedStrategy:
                   client_state: dict | None = None, max_num: int | None = None,
                   max_mem: float | None = None, metric: float | None = None,
                   keep_best: int | None = None, higher_is_better: bool | None = None,
-                  tokenizer: Any = None) -> str:
+                  tokenizer: Any = None, ema: EMA | None = None) -> str:
         """Every rank: save a resume checkpoint (step, samples, RNG, scheduler, ``client_state``)
         at an accumulation boundary into ``save_dir`` (default ``checkpoint.ckpt_path``). Retention
         comes from the ``CheckpointConfig`` unless given here: at most ``max_num`` checkpoints and
         ``max_mem`` GB (HF exports at ``<tag>_hf`` included), plus the ``keep_best`` best by
         ``metric``. The model's ``config.json`` (and ``tokenizer``'s files, if given) go beside the
-        weights, so ``python -m strategy.export`` needs nothing else. Returns the checkpoint's
-        directory."""
+        weights, so ``python -m strategy.export`` needs nothing else; ``ema``'s weights go in too.
+        Returns the checkpoint's directory."""
         ckpt = self.checkpoint
         return save_checkpoint(
             engine, save_dir or ckpt.ckpt_path, tag, client_state,
@@ -346,23 +364,37 @@ class DeepSpeedStrategy:
             higher_is_better=(ckpt.best_metric_higher if higher_is_better is None
                               else higher_is_better),
             write_metadata=lambda directory: save_model_metadata(engine, directory, tokenizer),
-            layout=self._layout(), node_local=self.checkpoint_storage(save_dir) == "node_local")
+            layout=self._layout(), node_local=self.checkpoint_storage(save_dir) == "node_local",
+            rank_files=None if ema is None else ema.save)
 
     def load_ckpt(self, engine, load_dir: str | None = None, tag: str | None = None,
                   load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                  dataloader: DataLoader | None = None,
-                  universal: bool | None = None) -> tuple[str | None, dict]:
+                  dataloader: DataLoader | None = None, universal: bool | None = None,
+                  ema: EMA | None = None) -> tuple[str | None, dict]:
         """Every rank: resume from ``tag`` or the newest complete checkpoint in ``load_dir``
         (default ``checkpoint.ckpt_path``); returns ``(path, client_state)``, ``(None, {})`` when
         there is none. ``dataloader`` (from ``setup_dataloader``) is moved to the saved position;
         ``self.resume_state`` holds step, consumed samples, epoch and position in it. A checkpoint
         from another world size is converted to DeepSpeed's universal format (``universal``
-        forces or forbids that)."""
+        forces or forbids that). ``ema`` gets its saved weights back."""
         path, state, self.resume_state = load_checkpoint(
             engine, load_dir or self.checkpoint.ckpt_path, tag, load_optimizer_states,
             load_lr_scheduler_states, dataloader, universal, layout=self._layout(),
             node_local=self.checkpoint_storage(load_dir) == "node_local")
+        if ema is not None and path is not None:
+            error = None
+            try:
+                ema.load(path, self.rank)
+            except Exception as exc:  # noqa: BLE001 - every rank raises alike below
+                error = exc
+            dist.raise_if_any_failed(error, lambda rank, message: CheckpointFileError(
+                f"loading EMA weights failed on rank {rank}: {message}"))
         return path, state
+
+    def create_ema(self, engine, beta: float) -> EMA:
+        """A moving average of ``engine``'s trainable weights, partitioned as they are; call
+        ``ema.update()`` after each optimizer step (``Trainer`` does with ``--ema_beta``)."""
+        return EMA(engine.module, beta)
 
     def _layout(self) -> dict:
         """What a checkpoint records of the run's shape, for its resume to check and count."""
@@ -384,6 +416,12 @@ class DeepSpeedStrategy:
             release_tensor_parallel_groups()
         if not keep_failure_hook:
             dist.remove_failure_hook()
+
+
+def _construction(ds_config: dict) -> dict:
+    """What ZeRO-3 construction reads: transformers checks the batch sizes without Ulysses'
+    groups (over the whole world), so DeepSpeed derives the batch instead."""
+    return {k: v for k, v in ds_config.items() if k != "train_batch_size"}
 
 
 def _scaled(data: Any, factor: float) -> Any:

@@ -29,6 +29,7 @@ LAYERS = {
     "metrics": 4,
     "lora": 4,
     "ops": 4,
+    "ema": 4,
     "model": 5,
     "parallel": 6,
     "export": 7,

@@ -62,7 +62,7 @@ def run_example(script: str, config: str, toy: str) -> dict:
         "--log_dir",
         f"{out}/logs",
     ]
-    if "pretrain:" in open(config).read():
+    if "pretrain:" in open(config).read() or script == "train_grpo":  # GRPO starts from a model
         argv += ["--pretrain", f"{toy}/model"]
     return load_example(script)(argv)
 
@@ -74,6 +74,8 @@ CONFIGS = [
     ("train_rm", "configs/rm_zero2.yaml"),
     ("train_dpo", "configs/dpo_zero3.yaml"),
     ("custom_trainer", "configs/sft_zero2.yaml"),
+    ("train_sft", "configs/grpo_sft.yaml"),
+    ("train_grpo", "configs/grpo_toy.yaml"),
 ]
 
 

@@ -75,7 +75,8 @@ def _free_bytes(path: str) -> str:
     return f"; {shutil.disk_usage(path).free if os.path.isdir(path) else -1} bytes free"
 
 
-def _write_files(engine: Any, staging: str, tag: str, client_state: dict | None, rng) -> None:
+def _write_files(engine: Any, staging: str, tag: str, client_state: dict | None, rng,
+                 rank_files: Callable[[str, int], None] | None) -> None:
     """Every rank writes its own files; a failure comes before DeepSpeed's closing barrier, so the
     failed rank meets the others there before the error is shared."""
     try:
@@ -85,18 +86,22 @@ def _write_files(engine: Any, staging: str, tag: str, client_state: dict | None,
         dist.barrier()
         raise
     save_rng(rng, os.path.join(staging, tag), dist.get_rank())
+    if rank_files is not None:
+        rank_files(os.path.join(staging, tag), dist.get_rank())
 
 
 def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None,
                     client_state: dict | None = None, max_num: int = 3, max_mem: float = 1000,
                     metric: float | None = None, keep_best: int = 0, higher_is_better: bool = False,
                     write_metadata: Callable[[str], None] | None = None,
-                    layout: dict | None = None, node_local: bool = False) -> str:
+                    layout: dict | None = None, node_local: bool = False,
+                    rank_files: Callable[[str, int], None] | None = None) -> str:
     """Save on every rank (collective); returns the checkpoint's directory. ``write_metadata(dir)``
     runs on the publisher before publishing (the facade writes the model's config.json there);
     ``layout`` (parallel sizes, samples per step) is recorded for the resume to check. The
     publisher is rank 0, or with ``node_local`` each node's local rank 0 for its own copy;
-    retention runs once every publisher has published."""
+    retention runs once every publisher has published. ``rank_files(dir, rank)`` writes this
+    rank's own extra files (the EMA weights' part) beside DeepSpeed's."""
     on_publisher = _on_node_writers if node_local else dist.on_rank_0
     layout = dict(layout or {})
     samples_per_step = layout.pop("samples_per_step", None)
@@ -108,7 +113,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None,
     on_publisher(_reset_staging, staging)  # drops what a killed save left
     error, detail = None, ""
     try:
-        _write_files(engine, staging, tag, client_state, rng)
+        _write_files(engine, staging, tag, client_state, rng, rank_files)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error, detail = exc, _free_bytes(save_dir)
     dist.raise_if_any_failed(error, _failure(save_dir, tag), detail)  # also the barrier

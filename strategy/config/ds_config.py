@@ -74,11 +74,13 @@ def build_ds_config(cfg: StrategyConfig, world_size: int) -> dict:
 
 
 def build_eval_ds_config(cfg: StrategyConfig, world_size: int) -> dict:
-    """Config for inference-only engines (e.g. a DPO reference): ZeRO-3 if training is ZeRO-3,
-    else 0."""
-    stage = 3 if cfg.zero_stage == 3 else 0
+    """Config for inference-only engines (e.g. a DPO reference): ZeRO-3 if training is ZeRO-3 or
+    ``ref_offload`` keeps them on the CPU (parameters fetched layer by layer per forward), else
+    0."""
+    stage = 3 if cfg.zero_stage == 3 or cfg.ref_offload else 0
+    offload = cfg.param_offload or cfg.ref_offload
     zero = {"stage": stage,
-            "offload_param": {"device": "cpu" if cfg.param_offload else "none", "pin_memory": True}}
+            "offload_param": {"device": "cpu" if offload else "none", "pin_memory": True}}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     out = {

@@ -25,6 +25,9 @@ class StrategyConfig:
     offload_ratio: float = doc("share of optimizer states ZeRO-3 offloads "
                                "(offload_optimizer.ratio)", 1.0)
     param_offload: bool = doc("keep parameters on CPU between uses (ZeRO-3 only)", False)
+    ref_offload: bool = doc("keep frozen eval engines (DPO/GRPO reference, reward model) off the "
+                            "accelerator between uses: ZeRO-3 with parameters offloaded to CPU, "
+                            "whatever the training stage", False)
     micro_train_batch_size: int = doc("samples per rank per forward/backward", 8)
     train_batch_size: int = doc("global samples per optimizer step (micro x accumulation x "
                                 "data-parallel ranks)", 128)

@@ -1,6 +1,10 @@
 """The default run's toy task: reverse a short string of letters (learnable in ~2 minutes on CPU).
+The hard variant (``--hard``: 7 to 12 letters, 512 held out) is the GRPO example's: a short SFT
+run gets part of it right, and GRPO rewards the rest with ``exact_reward`` (1 for the right
+answer) or ``reversal_reward`` (the share of letters in the right place).
 
 python -m strategy.demos.toy_task make outputs/default/data  # SFT rows, preference pairs, tokenizer
+python -m strategy.demos.toy_task make outputs/grpo/data --hard
 python -m strategy.demos.toy_task evaluate outputs/default/model outputs/default/data/test.jsonl \
     [--compare outputs/default/answers.jsonl]                 # fresh-process reload + exact match
 """
@@ -39,9 +43,25 @@ def make_tokenizer(out_dir: str):
     return tokenizer
 
 
-def sample(rng: random.Random) -> dict:
-    word = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(3, 6)))
+LENGTHS = {False: (3, 6), True: (7, 12)}  # letters per word: default, hard
+
+
+def sample(rng: random.Random, hard: bool = False) -> dict:
+    word = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(*LENGTHS[hard])))
     return {"input": word + "=", "output": word[::-1]}
+
+
+def reversal_reward(prompt: str, completion: str, row: dict) -> float:
+    """GRPO reward: the share of positions where the completion has the right letter, over the
+    longer of it and the answer (1.0 exactly for the right answer, less for extra letters)."""
+    want = row["output"]
+    hits = sum(a == b for a, b in zip(completion, want))
+    return hits / max(len(completion), len(want))
+
+
+def exact_reward(prompt: str, completion: str, row: dict) -> float:
+    """GRPO reward: 1.0 for the right answer, else 0.0."""
+    return float(completion == row["output"])
 
 
 def to_pair(row: dict, rng: random.Random) -> dict:
@@ -61,16 +81,18 @@ def to_chat(rows: list[dict]) -> dict:
     return {"messages": messages}
 
 
-def make(out_dir: str, n_train: int = 8192, n_test: int = 128, seed: int = 0) -> None:
+def make(out_dir: str, n_train: int = 8192, n_test: int | None = None, seed: int = 0,
+         hard: bool = False) -> None:
+    n_test = n_test or (512 if hard else 128)  # the hard set is GRPO's yardstick: less noise
     os.makedirs(out_dir, exist_ok=True)
     rng = random.Random(seed)
     test = {}
     while len(test) < n_test:  # held-out words never appear in training
-        row = sample(rng)
+        row = sample(rng, hard)
         test[row["input"]] = row
     train = []
     while len(train) < n_train:
-        row = sample(rng)
+        row = sample(rng, hard)
         if row["input"] not in test:
             train.append(row)
     pairs = [to_pair(r, rng) for r in train[:2048]]
@@ -92,7 +114,7 @@ def generate(model, tokenizer, prompts: list[str], synced_gpus: bool = False) ->
         encoded = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")
         ids = encoded["input_ids"].to(model.device)
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=8, do_sample=False,
+            out = model.generate(ids, max_new_tokens=16, do_sample=False,
                                  eos_token_id=tokenizer.eos_token_id,
                                  pad_token_id=tokenizer.pad_token_id, synced_gpus=synced_gpus)
         answers.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
@@ -123,6 +145,8 @@ def main() -> None:
     commands = parser.add_subparsers(dest="cmd", required=True)
     make_cmd = commands.add_parser("make")
     make_cmd.add_argument("out_dir")
+    make_cmd.add_argument("--hard", action="store_true", help="7-12 letters (the GRPO example)")
+    make_cmd.add_argument("--n_test", type=int, default=None, help="held-out rows (128; 512 hard)")
     evaluate_cmd = commands.add_parser("evaluate")
     evaluate_cmd.add_argument("model_dir")
     evaluate_cmd.add_argument("data")
@@ -130,7 +154,7 @@ def main() -> None:
     evaluate_cmd.add_argument("--min_accuracy", type=float, default=0.0)
     args = parser.parse_args()
     if args.cmd == "make":
-        make(args.out_dir)
+        make(args.out_dir, n_test=args.n_test, hard=args.hard)
     elif evaluate(args.model_dir, args.data, args.compare) < args.min_accuracy:
         raise SystemExit(f"accuracy below --min_accuracy {args.min_accuracy}")
 

@@ -34,6 +34,13 @@ class MetricSums:
             else:
                 self.means[key] = self.means.get(key, 0.0) + weight * float(value)
 
+    def add_totals(self, metrics: dict[str, tuple[float, float]]) -> None:
+        """Add (sum, count) metrics that belong to the step, not to one micro-batch."""
+        for key, (total, count) in metrics.items():
+            pair = self.pairs.setdefault(key, [0.0, 0.0])
+            pair[0] += float(total)
+            pair[1] += float(count)
+
     def reduce(self, strategy, extra: dict | None = None) -> tuple[dict, dict]:
         """Collective (one all-reduce): the metrics over all ranks, and ``extra`` summed."""
         packed = {"means": self.means, "pair_sums": {k: v[0] for k, v in self.pairs.items()},

@@ -38,6 +38,7 @@ class TrainConfig:
     max_steps: int = doc("stop after this many optimizer steps (-1: run all epochs)", -1)
     logging_steps: int = doc("log loss/lr/grad-norm every N optimizer steps", 1)
     eval_steps: int = doc("evaluate every N optimizer steps (-1: only at the end of training)", -1)
+    eval_on_start: bool = doc("also evaluate before the first step (not when resuming)", False)
     save_steps: int = doc("save a resume checkpoint every N optimizer steps (-1: never mid-run)",
                           -1)
     save_path: str = doc("directory of the final Hugging Face export", "./outputs/model")
@@ -59,12 +60,19 @@ class TrainConfig:
     peak_tflops: float | None = doc("accelerator peak TFLOPS per device for the logged MFU "
                                     "(default: known H100/H200/A100 bf16 figures; none on CPU)",
                                     None)
+    ema_beta: float = doc("keep an exponential moving average of the trained weights with this "
+                          "decay, e.g. 0.999 (0: off); saved in checkpoints", 0.0)
+    save_ema: bool = doc("also export the moving-average weights to <save_path>_ema", False)
 
     def __post_init__(self) -> None:
         check_positive(self, "max_epochs", "logging_steps", "logits_chunk_size")
         check_steps(self, "eval_steps", "save_steps", "max_steps")
         if self.loss_weighting not in LOSS_WEIGHTINGS:
             fail("loss_weighting", self.loss_weighting, "use step or micro_batch")
+        if not 0 <= self.ema_beta < 1:
+            fail("ema_beta", self.ema_beta, "use a decay in [0, 1), e.g. 0.999 (0: off)")
+        if self.save_ema and not self.ema_beta:
+            fail("save_ema", True, "there is no moving average to export; set --ema_beta too")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             fail("peak_tflops", self.peak_tflops, "use a positive number of TFLOPS, e.g. 989")
 
@@ -135,3 +143,46 @@ class DPOConfig:
             fail("label_smoothing", self.label_smoothing, "use a value in [0, 0.5)")
         if self.nll_loss_coef < 0:
             fail("nll_loss_coef", self.nll_loss_coef, "use a weight >= 0")
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """Group relative policy optimization: sampling, reward, and the clipped update."""
+
+    group_size: int = doc("GRPO: completions sampled per prompt (G >= 2); train_batch_size counts "
+                          "completions, so it is G x prompts per rollout", 8)
+    reward_fn: str | None = doc("GRPO: reward callable 'module:function', called as "
+                                "f(prompt, completion, row) -> float", None)
+    reward_pretrain: str | None = doc("GRPO: reward model directory (AutoModelForSequence"
+                                      "Classification, 1 label) instead of --reward_fn", None)
+    kl_coef: float = doc("GRPO: weight of the k3 KL penalty to the reference model (0: no "
+                         "reference at all)", 0.04)
+    clip_eps: float = doc("GRPO: policy ratio clip range, 1 +- eps", 0.2)
+    ppo_epochs: int = doc("GRPO: optimizer steps per rollout batch (each over all of it)", 1)
+    max_new_tokens: int = doc("GRPO: longest completion in tokens", 64)
+    temperature: float = doc("GRPO: sampling temperature", 1.0)
+    top_p: float = doc("GRPO: nucleus sampling mass", 1.0)
+    top_k: int = doc("GRPO: sample among the k likeliest tokens (0: all)", 0)
+    advantage_eps: float = doc("GRPO: added to a group's reward std before dividing", 1e-4)
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            fail("group_size", self.group_size, "GRPO compares completions within a group; use "
+                 "at least 2, e.g. 8")
+        check_positive(self, "ppo_epochs", "max_new_tokens")
+        if self.reward_fn is None and self.reward_pretrain is None:
+            fail("reward_fn", None, "name a reward: --reward_fn module:function or "
+                 "--reward_pretrain RM_DIR")
+        if self.reward_fn is not None and self.reward_pretrain is not None:
+            fail("reward_pretrain", self.reward_pretrain, "pass --reward_fn or --reward_pretrain, "
+                 "not both")
+        if self.kl_coef < 0:
+            fail("kl_coef", self.kl_coef, "use a weight >= 0, e.g. 0.04")
+        if not 0 < self.clip_eps < 1:
+            fail("clip_eps", self.clip_eps, "use a value in (0, 1), e.g. 0.2")
+        if self.temperature <= 0:
+            fail("temperature", self.temperature, "use a positive temperature, e.g. 1.0")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", self.top_p, "use a probability in (0, 1]")
+        if self.top_k < 0:
+            fail("top_k", self.top_k, "use 0 (all tokens) or a positive count")

@@ -15,7 +15,8 @@ from strategy.trainers.chat import check_messages, tokenize_chat
 from strategy.trainers.config import DataConfig
 from strategy.trainers.losses import IGNORE
 
-__all__ = ["DataError", "collate_pairs", "collate_sft", "load_pairs", "load_sft", "read_rows"]
+__all__ = ["DataError", "collate_pairs", "collate_prompts", "collate_sft", "load_pairs",
+           "load_prompts", "load_sft", "read_rows"]
 
 
 def read_rows(path: str, max_samples: int = -1) -> list[dict]:
@@ -163,6 +164,35 @@ def load_pairs(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1
            for (c_ids, c_labels, _), (r_ids, r_labels, _) in _samples(path, cfg, stats,
                                                                       max_samples, make)]
     return _finish(out, stats, path)
+
+
+def load_prompts(path: str, tokenizer: Any, cfg: DataConfig, max_prompt_len: int,
+                 max_samples: int = -1) -> list[dict]:
+    """Prompts for online RL ``{"prompt_ids", "prompt", "row"}`` (the row goes to the reward);
+    a prompt over ``max_prompt_len`` tokens keeps its end under ``truncate``."""
+    stats, tok = Stats(path), Tokenize(tokenizer, cfg)
+    kept: list[dict] = []
+
+    def make(row: dict, where: str) -> list[tuple[list[int], list[int], int]]:
+        text = tok.prompt(_text(row, cfg.input_key, where))
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        cut = max(0, len(ids) - max_prompt_len)
+        kept.append({"prompt_ids": ids[cut:], "prompt": text, "row": row})
+        return [(ids[cut:], ids[cut:], cut)]
+
+    out = [kept[-1] for _ in _samples(path, cfg, stats, max_samples, make)]
+    return _finish(out, stats, path)
+
+
+def collate_prompts(pad_id: int):
+    """Left-padded prompts (generation appends on the right) with their mask, texts and rows."""
+    def collate(batch: list[dict]) -> dict:
+        width = max(len(b["prompt_ids"]) for b in batch)
+        ids = [[pad_id] * (width - len(b["prompt_ids"])) + b["prompt_ids"] for b in batch]
+        mask = [[0] * (width - len(b["prompt_ids"])) + [1] * len(b["prompt_ids"]) for b in batch]
+        return {"prompt_ids": torch.tensor(ids), "prompt_mask": torch.tensor(mask),
+                "prompts": [b["prompt"] for b in batch], "rows": [b["row"] for b in batch]}
+    return collate
 
 
 def _pad(seqs: list[list[int]], value: int) -> torch.Tensor:

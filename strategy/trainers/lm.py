@@ -66,13 +66,15 @@ def tiled_loss_sum(engine, batch: dict, chunk_tokens: int, max_tokens: int) -> t
     return total
 
 
-def token_logps(engine, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position log-probability of each next-token target, and the mask of scored ones."""
+def token_logps(engine, batch: dict,
+                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position log-probability of each next-token target, and the mask of scored ones;
+    ``temperature`` scales the logits first (the distribution a sampler drew from)."""
     logits = engine(**forward_inputs(batch)).logits
     targets, aligned = targets_of(batch)
     if not aligned:
         logits = logits[:, :-1]
     mask = targets != IGNORE
     picked = targets.clamp(min=0).unsqueeze(-1)
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, picked).squeeze(-1)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, picked).squeeze(-1)
     return logp * mask, mask

@@ -63,6 +63,7 @@ class Trainer:
         self._loss_scale = 1.0  # undoes DeepSpeed's mean over micro-batches and ranks
         self._normalized = False  # whether the last compute_loss called normalize
         self.meter = StepMeter(self.model, strategy, self.cfg.peak_tflops)
+        self.ema = strategy.create_ema(self.model, self.cfg.ema_beta) if self.cfg.ema_beta else None
 
     # ------------------------------------------------------------ hooks
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
@@ -96,10 +97,16 @@ class Trainer:
         return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     # ------------------------------------------------------------ loop
+    @classmethod
+    def plan(cls, strategy, num_samples: int, cfg: TrainConfig, **_: Any) -> StepPlan:
+        """Optimizer steps per epoch and in all, before the trainer exists (for the schedule);
+        the trainer's keyword arguments come along for trainers whose steps depend on them."""
+        return plan_steps(num_samples, strategy.config.train_batch_size, cfg.max_epochs,
+                          cfg.max_steps)
+
     @property
     def step_plan(self) -> StepPlan:
-        return plan_steps(len(self.train_dataloader.dataset), self.strategy.config.train_batch_size,
-                          self.cfg.max_epochs, self.cfg.max_steps)
+        return self.plan(self.strategy, len(self.train_dataloader.dataset), self.cfg)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -112,6 +119,8 @@ class Trainer:
         """Train to the end (resuming first if asked); export the final model; return the last
         eval metrics."""
         start_epoch, done_in_epoch = self._resume() if self.cfg.load_checkpoint else (0, 0)
+        if self.cfg.eval_on_start and self.global_step == 0 and self.eval_dataloader is not None:
+            self.evaluate()
         plan = self.step_plan
         bar = tqdm(total=plan.total_steps, initial=self.global_step, desc="train",
                    dynamic_ncols=True, disable=not self.strategy.is_rank_0, mininterval=2.0)
@@ -126,6 +135,8 @@ class Trainer:
         bar.close()
         final = self.evaluate() if self.eval_dataloader is not None else {}
         self.save_model(self.cfg.save_path)
+        if self.cfg.save_ema:
+            self.save_model(f"{self.cfg.save_path.rstrip('/')}_ema", ema=self.ema)
         self.logger.close()
         return final
 
@@ -161,6 +172,8 @@ class Trainer:
     def _after_step(self, epoch: int, sums: MetricSums, bar: tqdm) -> None:
         self.global_step += 1
         self._check_in_step()
+        if self.ema is not None:
+            self.ema.update()
         metrics, totals = sums.reduce(self.strategy, self.meter.local())  # all ranks: same loss
         self.meter.finish(totals)
         self._check_finite(metrics["loss"], epoch)
@@ -217,14 +230,14 @@ class Trainer:
         self._eval_share = 1.0 / max(batches, 1)
 
     # ------------------------------------------------------------ persistence
-    def save_model(self, path: str) -> None:
+    def save_model(self, path: str, ema=None) -> None:
         self.strategy.save_model(self.model, self.tokenizer, path,
-                                 max_shard_size=self.cfg.max_shard_size)
+                                 max_shard_size=self.cfg.max_shard_size, ema=ema)
 
     def save_checkpoint(self) -> None:
         tag = f"global_step{self.global_step}"
         path = self.strategy.save_ckpt(self.model, tag=tag, metric=self._checkpoint_metric(),
-                                       tokenizer=self.tokenizer)
+                                       tokenizer=self.tokenizer, ema=self.ema)
         if self.cfg.save_hf_ckpt:
             self.save_model(os.path.join(self.strategy.checkpoint.ckpt_path, f"{tag}_hf"))
         self.strategy.print(f"[ckpt] saved {path}")
@@ -245,7 +258,8 @@ class Trainer:
 
     def _resume(self) -> tuple[int, int]:
         """Load the newest complete checkpoint; return (epoch, steps already done in it)."""
-        path, _ = self.strategy.load_ckpt(self.model, dataloader=self.train_dataloader)
+        path, _ = self.strategy.load_ckpt(self.model, dataloader=self.train_dataloader,
+                                          ema=self.ema)
         if path is None:
             where = self.strategy.checkpoint.ckpt_path
             self.strategy.print(f"[ckpt] nothing to resume in {where}; starting fresh")

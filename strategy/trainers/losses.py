@@ -69,3 +69,33 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     losses, metrics = dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta,
                                  label_smoothing)
     return losses.mean(), {key: total / count for key, (total, count) in metrics.items()}
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO's advantages: each completion's reward less its group's mean, over the group's
+    (unbiased) standard deviation plus ``eps``; a group of equal rewards gets zeros. ``rewards``
+    holds consecutive groups of ``group_size``."""
+    groups = rewards.float().view(-1, group_size)
+    mean, std = groups.mean(dim=1, keepdim=True), groups.std(dim=1, keepdim=True)
+    return ((groups - mean) / (std + eps)).view(-1)
+
+
+def grpo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
+                      advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float,
+                      beta: float) -> tuple[torch.Tensor, dict]:
+    """Per-token clipped policy-gradient loss plus ``beta`` times the k3 estimate of
+    KL(policy || reference), ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased), zero where
+    ``mask`` is off; and the KL, the ratio and the clipped fraction as (sum, count) over scored
+    tokens.
+    ``advantages`` has one value per row."""
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages.unsqueeze(-1)
+    unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
+    gap = ref_logp - logp
+    kl = torch.exp(gap) - gap - 1
+    losses = (-torch.min(unclipped, clipped) + beta * kl) * mask
+    scored = mask.bool()
+    was_clipped = (clipped < unclipped)[scored]
+    return losses, {"kl": _mean_pair(kl.detach()[scored]),
+                    "ratio": _mean_pair(ratio.detach()[scored]),
+                    "clip_fraction": _mean_pair(was_clipped)}

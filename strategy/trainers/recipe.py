@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    CONFIG_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+)
 
 from strategy import dist
 from strategy.checkpoint import CheckpointConfig, check_resumable
@@ -24,8 +30,17 @@ from strategy.lora import apply_lora, check_targets
 from strategy.optim import OptimConfig
 from strategy.parallel import check_sequence_parallel, check_tensor_parallel
 from strategy.trainers import data, packing
-from strategy.trainers.config import DataConfig, DPOConfig, LoraConfig, ModelConfig, TrainConfig
-from strategy.trainers.steps import plan_steps
+from strategy.trainers.config import (
+    DataConfig,
+    DPOConfig,
+    GRPOConfig,
+    LoraConfig,
+    ModelConfig,
+    TrainConfig,
+)
+from strategy.trainers.grpo import check_grpo, prompts_per_rank
+from strategy.trainers.rewards import CallableReward, ModelReward, load_reward_fn
+from strategy.trainers.steps import StepPlan, plan_steps
 
 CONFIG_CLASSES = [StrategyConfig, OptimConfig, CheckpointConfig, ModelConfig, TrainConfig,
                   DataConfig, LoraConfig, DPOConfig]
@@ -43,23 +58,37 @@ class Run:
     dpo: DPOConfig
     tokenizer: Any = None
     args: argparse.Namespace | None = None
+    grpo: GRPOConfig | None = None
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None,
-                  parser: argparse.ArgumentParser | None = None) -> Run:
-        configs, namespace = parse_configs(CONFIG_CLASSES, argv, parser)
-        strategy_cfg, optim_cfg, ckpt_cfg, model_cfg, train_cfg, data_cfg, lora_cfg, dpo = configs
+                  parser: argparse.ArgumentParser | None = None, grpo: bool = False) -> Run:
+        """Parse flags and YAML, check everything that can be checked without ranks, then start
+        the strategy. ``grpo``: also parse and check ``GRPOConfig`` (online RL scripts)."""
+        classes = CONFIG_CLASSES + ([GRPOConfig] if grpo else [])
+        configs, namespace = parse_configs(classes, argv, parser)
+        strategy_cfg, optim_cfg, ckpt_cfg, model_cfg, train_cfg, data_cfg, lora_cfg, dpo = \
+            configs[:8]
+        grpo_cfg = configs[8] if grpo else None
         check_paths(model_cfg, train_cfg, data_cfg, ckpt_cfg)
         dist.from_slurm()  # the ranks srun started
         strategy_cfg.validate_world(dist.get_world_size())  # from the launcher's environment
         check_model(model_cfg, lora_cfg, data_cfg, strategy_cfg)
+        if grpo_cfg is not None:
+            check_grpo(strategy_cfg, train_cfg, grpo_cfg, data_cfg.max_len, dist.get_world_size())
+            if grpo_cfg.reward_fn:
+                load_reward_fn(grpo_cfg.reward_fn)  # importable and callable, or one line now
+            if grpo_cfg.kl_coef > 0 and model_cfg.pretrain is None:
+                raise ConfigError(f"kl_coef={grpo_cfg.kl_coef} is invalid: the reference is the "
+                                  "--pretrain model; pass --pretrain or set --kl_coef 0")
         if train_cfg.load_checkpoint:
             check_resumable(ckpt_cfg.ckpt_path, {
                 "sequence_parallel_size": strategy_cfg.sequence_parallel_size,
                 "tensor_parallel_size": strategy_cfg.tensor_parallel_size})
         strategy = DeepSpeedStrategy(strategy_cfg, optim_cfg, ckpt_cfg)
         strategy.setup_distributed()
-        run = cls(strategy, model_cfg, train_cfg, data_cfg, lora_cfg, dpo, args=namespace)
+        run = cls(strategy, model_cfg, train_cfg, data_cfg, lora_cfg, dpo, args=namespace,
+                  grpo=grpo_cfg)
         run.tokenizer = load_tokenizer(model_cfg)
         return run
 
@@ -86,8 +115,42 @@ class Run:
                                modules_to_save)
         return model
 
+    def prompt_loaders(self) -> tuple[Any, Any]:
+        """(train, eval) loaders of prompts for GRPO: each rank's share of a rollout's prompts
+        per batch; held-out prompts in order."""
+        per_rank = prompts_per_rank(self.strategy.config, self.strategy.world_size,
+                                    self.grpo.group_size)
+        longest = self.data.max_len - self.grpo.max_new_tokens
+        collate = data.collate_prompts(self.tokenizer.pad_token_id)
+        train = data.load_prompts(self.data.dataset, self.tokenizer, self.data, longest,
+                                  self.data.max_samples)
+        needed = per_rank * self.strategy.data_parallel_size
+        if len(train) < needed:
+            raise ConfigError(f"train_batch_size={self.strategy.config.train_batch_size} is "
+                              f"invalid: a rollout needs {needed} prompts but {self.data.dataset} "
+                              f"has {len(train)}; lower it or add data")
+        train_loader = self.strategy.setup_dataloader(train, per_rank, shuffle=True,
+                                                      collate_fn=collate)
+        eval_loader = None
+        if self.data.eval_dataset:
+            held = data.load_prompts(self.data.eval_dataset, self.tokenizer, self.data, longest)
+            eval_loader = self.strategy.setup_eval_dataloader(
+                held, self.strategy.config.micro_eval_batch_size, collate_fn=collate)
+        return train_loader, eval_loader
+
+    def reward(self):
+        """The GRPO reward: the ``reward_fn`` callable, or the reward model as an eval engine."""
+        if self.grpo.reward_fn:
+            return CallableReward(self.grpo.reward_fn)
+        model = self.strategy.from_pretrained(self.grpo.reward_pretrain,
+                                              AutoModelForSequenceClassification, frozen=True)
+        tokenizer = AutoTokenizer.from_pretrained(self.grpo.reward_pretrain)
+        return ModelReward(self.strategy.prepare(model), tokenizer, self.data.max_len)
+
     def loaders(self, kind: str = "sft") -> tuple[Any, Any]:
-        """(train, eval) loaders of ``sft`` samples or preference ``pairs``."""
+        """(train, eval) loaders of ``sft`` samples, preference ``pairs`` or GRPO ``prompts``."""
+        if kind == "prompts":
+            return self.prompt_loaders()
         load = data.load_sft if kind == "sft" else data.load_pairs
         collate_fn = data.collate_sft if kind == "sft" else data.collate_pairs
         train = load(self.data.dataset, self.tokenizer, self.data, self.data.max_samples)
@@ -106,6 +169,9 @@ class Run:
         eval_loader = None
         if self.data.eval_dataset:
             held = load(self.data.eval_dataset, self.tokenizer, self.data)
+            if self.data.packing_samples:  # the loss sees rows as the training run does
+                held = (packing.pack if kind == "sft" else packing.pack_pairs)(held,
+                                                                               self.data.max_len)
             eval_loader = self.strategy.setup_eval_dataloader(held, config.micro_eval_batch_size,
                                                               collate_fn=collate)
         return train_loader, eval_loader
@@ -113,14 +179,19 @@ class Run:
     def trainer(self, cls: type, model, kind: str = "sft", **kwargs: Any):
         """``cls`` (a Trainer subclass) wired with loaders, optimizer and schedule for ``model``."""
         train, held = self.loaders(kind)
-        optimizer, scheduler = self.optimizer_and_scheduler(model, train)
+        plan = cls.plan(self.strategy, len(train.dataset), self.train, **kwargs)
+        optimizer, scheduler = self.optimizer_and_scheduler(model, plan=plan)
         return cls(self.strategy, model, optimizer=optimizer, scheduler=scheduler,
                    train_dataloader=train, eval_dataloader=held, config=self.train,
                    tokenizer=self.tokenizer, **kwargs)
 
-    def optimizer_and_scheduler(self, model, train_loader) -> tuple[Any, Any]:
-        plan = plan_steps(len(train_loader.dataset), self.strategy.config.train_batch_size,
-                          self.train.max_epochs, self.train.max_steps)
+    def optimizer_and_scheduler(self, model, train_loader: Any = None,
+                                plan: StepPlan | None = None) -> tuple[Any, Any]:
+        """The optimizer, and the schedule over ``plan`` (default: the SFT-style plan of
+        ``train_loader``'s samples)."""
+        if plan is None:
+            plan = plan_steps(len(train_loader.dataset), self.strategy.config.train_batch_size,
+                              self.train.max_epochs, self.train.max_steps)
         optimizer = self.strategy.create_optimizer(model)
         scheduler = self.strategy.create_scheduler(optimizer,
                                                    num_training_steps=max(plan.total_steps, 1))

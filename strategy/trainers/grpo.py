@@ -1,0 +1,276 @@
+"""Group relative policy optimization (GRPO) on the shared loop.
+
+A rollout: each rank takes its prompts, samples ``group_size`` completions of each with the policy,
+scores them (a ``module:function`` callable or a reward model), and turns each group's rewards
+into advantages (reward less the group mean, over the group std). Then ``ppo_epochs`` optimizer
+steps, each over the whole rollout: the clipped policy-gradient loss plus ``kl_coef`` times the k3
+KL to a frozen reference, every completion token of the step weighing the same (the loop's
+token-weighted ``normalize``). The first step's log-probs become the "old" ones (ratio 1).
+Log-probs (policy and reference) are taken at the sampling temperature: the ratio and the KL are
+those of the distribution the completions were drawn from.
+
+Generation under ZeRO-3 runs DeepSpeed's own partitioned forward (each layer's parameters
+gathered when it runs and released after; ``synced_gpus`` keeps every rank stepping until all
+ranks' sequences end). Memory stays bounded by ZeRO-3's live-parameter budget however large the
+model, at the cost of one gather per layer per generated token; gathering the whole model once per
+rollout would be faster on small models but needs the whole model on every rank.
+
+Sampling draws from a generator seeded by (seed, step, rank), so a resumed run samples exactly
+what the uninterrupted one did; checkpoints fall between rollouts (``save_steps`` a multiple of
+``ppo_epochs``). Optimizer steps are the loop's steps: a rollout spans ``ppo_epochs`` of them.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from transformers import GenerationConfig
+
+from strategy.errors import fail
+from strategy.trainers.aggregate import MetricSums
+from strategy.trainers.config import GRPOConfig
+from strategy.trainers.lm import token_logps
+from strategy.trainers.loop import Trainer
+from strategy.trainers.losses import IGNORE, group_advantages, grpo_token_losses
+from strategy.trainers.steps import StepPlan, plan_steps
+
+Reward = Callable[[list[str], list[str], list[dict]], list[float]]
+
+
+def prompts_per_rank(strategy_config: Any, world_size: int, group_size: int) -> int:
+    """Prompts each rank samples per rollout: its completions per optimizer step (micro batch x
+    accumulation) in groups of ``group_size``."""
+    per_rank = (strategy_config.micro_train_batch_size
+                * strategy_config.accumulation_steps(world_size))
+    if per_rank % group_size:
+        dp = strategy_config.data_parallel_size(world_size)
+        fail("train_batch_size", strategy_config.train_batch_size,
+             f"each rank's {per_rank} completions per step (micro x accumulation) must divide "
+             f"into groups of group_size={group_size}; use a multiple of {group_size * dp}")
+    return per_rank // group_size
+
+
+def check_grpo(strategy_config: Any, train: Any, grpo: GRPOConfig, max_len: int,
+               world_size: int) -> None:
+    """Before any process group starts: what GRPO cannot run with, one line each."""
+    for name in ("sequence_parallel_size", "tensor_parallel_size"):
+        if getattr(strategy_config, name) > 1:
+            fail(name, getattr(strategy_config, name), "GRPO generates whole sequences on every "
+                 "rank; run it data-parallel (size 1)")
+    prompts_per_rank(strategy_config, world_size, grpo.group_size)
+    for name in ("max_steps", "save_steps", "eval_steps"):
+        value = getattr(train, name)
+        if value > 0 and value % grpo.ppo_epochs:
+            fail(name, value, f"a rollout spans ppo_epochs={grpo.ppo_epochs} optimizer steps; "
+                 f"use a multiple of {grpo.ppo_epochs}")
+    if grpo.max_new_tokens >= max_len:
+        fail("max_new_tokens", grpo.max_new_tokens, f"prompt and completion share max_len="
+             f"{max_len}; raise --max_len or lower --max_new_tokens")
+
+
+@contextmanager
+def sampling_rng(seed: int, step: int, rank: int) -> Iterator[None]:
+    """The global RNGs, seeded by (seed, step, rank) inside the block and as before after it."""
+    accelerator = get_accelerator()
+    devices = [] if accelerator.device_name() == "cpu" else [accelerator.current_device()]
+    with torch.random.fork_rng(devices=devices, device_type=accelerator.device_name()):
+        torch.manual_seed((seed * 1_000_003 + step) * 1_009 + rank)
+        if devices:
+            accelerator.manual_seed(torch.initial_seed())
+        yield
+
+
+class GRPOTrainer(Trainer):
+    """The policy trains; ``ref_model`` (needed when ``kl_coef`` > 0) becomes an eval engine;
+    ``reward(prompts, completions, rows) -> floats`` scores completions (``rewards``)."""
+
+    def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
+                 eval_dataloader=None, config=None, tokenizer=None, grpo: GRPOConfig | None = None,
+                 ref_model=None, reward: Reward | None = None, answer_key: str | None = "output",
+                 ) -> None:
+        if grpo is None or reward is None:
+            fail("grpo", grpo, "GRPOTrainer needs grpo=GRPOConfig(...) and a reward callable")
+        if grpo.kl_coef > 0 and ref_model is None:
+            fail("kl_coef", grpo.kl_coef, "a KL penalty needs ref_model; pass one or set 0")
+        super().__init__(strategy, model, optimizer, scheduler, train_dataloader,
+                         eval_dataloader, config, tokenizer)
+        self.grpo, self.reward, self.answer_key = grpo, reward, answer_key
+        self.ref_model = strategy.prepare(ref_model) if ref_model is not None else None
+        self.per_rank = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size)
+        self._old_logps: dict[int, torch.Tensor] = {}  # micro-batch -> first update's log-probs
+
+    # ------------------------------------------------------------ plan and resume
+    @classmethod
+    def plan(cls, strategy, num_samples: int, cfg, grpo: GRPOConfig | None = None,
+             **_: Any) -> StepPlan:
+        """Rollouts per epoch from the prompts; each spans ``ppo_epochs`` optimizer steps."""
+        per_rollout = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size)
+        per_rollout *= strategy.data_parallel_size
+        ppo = grpo.ppo_epochs
+        rollouts = plan_steps(num_samples, per_rollout, cfg.max_epochs,
+                              cfg.max_steps // ppo if cfg.max_steps > 0 else -1)
+        return StepPlan(rollouts.steps_per_epoch * ppo, rollouts.total_steps * ppo)
+
+    @property
+    def step_plan(self) -> StepPlan:
+        return self.plan(self.strategy, len(self.train_dataloader.dataset), self.cfg, self.grpo)
+
+    def _resume(self) -> tuple[int, int]:
+        """Resume between rollouts; the prompt sampler is placed by rollouts done."""
+        path, _ = self.strategy.load_ckpt(self.model, ema=self.ema)
+        if path is None:
+            self.strategy.print(f"[ckpt] nothing to resume in {self.strategy.checkpoint.ckpt_path}"
+                                "; starting fresh")
+            return 0, 0
+        self.global_step = self.strategy.resume_state.global_step
+        ppo = self.grpo.ppo_epochs
+        epoch, within = divmod(self.global_step // ppo, self.step_plan.steps_per_epoch // ppo)
+        consumed = within * self.per_rank * self.strategy.data_parallel_size
+        self.train_dataloader.sampler.load_state_dict({"epoch": epoch, "consumed": consumed})
+        self.strategy.print(f"[ckpt] resumed {path} at step {self.global_step}")
+        return epoch, within * ppo
+
+    # ------------------------------------------------------------ rollout
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 sample: bool) -> torch.Tensor:
+        """Completions (right of the prompts; padded after their end) from the policy. Every rank
+        calls this alike; under ZeRO-3 the ranks keep stepping until all are done."""
+        g = self.grpo
+        settings = dict(max_new_tokens=g.max_new_tokens, do_sample=sample,
+                        eos_token_id=self.tokenizer.eos_token_id,
+                        pad_token_id=self.tokenizer.pad_token_id)
+        if sample:
+            settings.update(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
+        module = self.model.module
+        training = module.training
+        module.eval()
+        try:
+            out = module.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                  generation_config=GenerationConfig(**settings), use_cache=True,
+                                  synced_gpus=self.strategy.config.zero_stage == 3
+                                  and self.strategy.world_size > 1)
+        finally:
+            module.train(training)
+        return out[:, prompt_ids.shape[1]:]
+
+    def _completions(self, completions: torch.Tensor) -> list[list[int]]:
+        """Each completion's tokens up to and including its first end-of-sequence token."""
+        eos, out = self.tokenizer.eos_token_id, []
+        for row in completions.tolist():
+            out.append(row[: row.index(eos) + 1] if eos in row else row)
+        return out
+
+    def _texts(self, completions: list[list[int]]) -> list[str]:
+        return self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+
+    def _score(self, prompts: list[str], texts: list[str], rows: list[dict]) -> torch.Tensor:
+        rewards = self.strategy.checked(self.reward, prompts, texts, rows)  # alike on every rank
+        return torch.tensor(rewards, dtype=torch.float32)
+
+    def rollout(self, batch: dict) -> tuple[list[dict], dict]:
+        """This rank's micro-batches of completions with advantages (and reference log-probs),
+        and the rollout's metrics as (sum, count) pairs."""
+        start = time.perf_counter()
+        g = self.grpo.group_size
+        ids = batch["prompt_ids"].repeat_interleave(g, dim=0).to(self.model.device)
+        mask = batch["prompt_mask"].repeat_interleave(g, dim=0).to(self.model.device)
+        with sampling_rng(self.strategy.config.seed, self.global_step, self.strategy.rank):
+            completions = self._completions(self.generate(ids, mask, sample=True).cpu())
+        prompts = [p for p in batch["prompts"] for _ in range(g)]
+        rows = [r for r in batch["rows"] for _ in range(g)]
+        rewards = self._score(prompts, self._texts(completions), rows)
+        advantages = group_advantages(rewards, g, self.grpo.advantage_eps)
+        prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
+        micro = self.strategy.config.micro_train_batch_size
+        batches = [self._micro_batch(prompt_ids[i:i + micro], completions[i:i + micro],
+                                     advantages[i:i + micro])
+                   for i in range(0, len(completions), micro)]
+        if self.ref_model is not None:
+            with torch.no_grad():
+                for b in batches:
+                    b["ref_logp"] = token_logps(self.ref_model, self.to_device(b),
+                                               self.grpo.temperature)[0].cpu()
+        stats = self.strategy.all_reduce({"sum": rewards.sum().item(),
+                                          "sq": rewards.pow(2).sum().item(),
+                                          "n": float(rewards.numel())}, op="sum")
+        mean = stats["sum"] / stats["n"]
+        std = max(stats["sq"] / stats["n"] - mean**2, 0.0) ** 0.5
+        lengths = [len(c) for c in completions]
+        metrics = {"reward": (rewards.sum().item(), rewards.numel()), "reward_std": (std, 1),
+                   "completion_length": (float(sum(lengths)), len(lengths)),
+                   "generation_s": (time.perf_counter() - start, 1)}
+        return batches, metrics
+
+    def _micro_batch(self, prompts: list[list[int]], completions: list[list[int]],
+                     advantages: torch.Tensor) -> dict:
+        pad = self.tokenizer.pad_token_id
+        ids = [p + c for p, c in zip(prompts, completions)]
+        labels = [[IGNORE] * len(p) + c for p, c in zip(prompts, completions)]
+        width = max(len(x) for x in ids)
+        return {"input_ids": torch.tensor([x + [pad] * (width - len(x)) for x in ids]),
+                "labels": torch.tensor([x + [IGNORE] * (width - len(x)) for x in labels]),
+                "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x))
+                                                for x in ids]),
+                "advantages": advantages.clone()}
+
+    # ------------------------------------------------------------ update
+    def loss_counts(self, batch: dict) -> dict[str, int]:
+        if "prompt_ids" in batch:  # evaluation: prompts
+            return {"samples": int(batch["prompt_ids"].shape[0])}
+        return {"tokens": int((batch["labels"][:, 1:] != IGNORE).sum())}
+
+    def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        logp, mask = token_logps(self.model, batch, self.grpo.temperature)  # the sampler's
+        key = self._micro_index
+        if key not in self._old_logps:  # the rollout's first update: ratio 1
+            self._old_logps[key] = logp.detach()
+        ref = batch.get("ref_logp", logp.detach())
+        losses, metrics = grpo_token_losses(logp, self._old_logps[key], ref, batch["advantages"],
+                                            mask, self.grpo.clip_eps, self.grpo.kl_coef)
+        return self.normalize(losses.sum(), "tokens"), metrics
+
+    def _train_epoch(self, epoch: int, steps: int, bar) -> None:
+        prompts = iter(self.train_dataloader)
+        for _ in range(steps // self.grpo.ppo_epochs):
+            batches, rollout_metrics = self.rollout(next(prompts))
+            self._old_logps = {}
+            for _ in range(self.grpo.ppo_epochs):
+                self._update(epoch, batches, rollout_metrics, bar)
+
+    def _update(self, epoch: int, batches: list[dict], rollout_metrics: dict, bar) -> None:
+        """One optimizer step over the whole rollout."""
+        self.model.train()
+        self._loss_scale = self.strategy.loss_scale
+        self.meter.start()
+        start = time.perf_counter()
+        sums = MetricSums()
+        for index, (batch, counts) in enumerate(self._step_batches(iter(batches))):
+            self._micro_index = index
+            self.set_micro_counts(counts)
+            loss, metrics = self.compute_loss(batch)
+            self.strategy.backward(loss, self.model)
+            self.strategy.optimizer_step(self.model)
+            sums.add({"loss": loss.item(), **metrics})
+        sums.add_totals({**rollout_metrics, "update_s": (time.perf_counter() - start, 1)})
+        self._after_step(epoch, sums, bar)
+
+    # ------------------------------------------------------------ evaluation
+    def eval_metrics(self, batch: dict) -> dict:
+        """Greedy completions of held-out prompts: mean reward, exact match (when rows carry
+        ``answer_key``) and length."""
+        completions = self._completions(self.generate(batch["prompt_ids"], batch["prompt_mask"],
+                                                      sample=False).cpu())
+        texts = self._texts(completions)
+        rewards = self._score(batch["prompts"], texts, batch["rows"])
+        n = len(texts)
+        out = {"reward": (rewards.sum().item(), n),
+               "completion_length": (float(sum(len(c) for c in completions)), n)}
+        if self.answer_key and all(self.answer_key in row for row in batch["rows"]):
+            hits = sum(t.strip() == str(r[self.answer_key]).strip()
+                       for t, r in zip(texts, batch["rows"]))
+            out["exact_match"] = (float(hits), n)
+        return out

@@ -1,0 +1,300 @@
+"""GRPO: advantages and loss on hand-computed groups; at 2 ranks on the real engine, the first
+update's ratio 1 and KL 0, an exact mid-run resume (sampling and EMA weights included), greedy
+generation under ZeRO-3 equal to ZeRO-0's, the offloaded reference's log-probs equal to the
+resident one's, a reward model's scores under ZeRO-3 equal to a plain forward's, and the bad
+settings refused before any process group (or at the first bad reward, naming the prompt)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+REWARD = "strategy.demos.toy_task:reversal_reward"
+
+
+def text_reward(prompt: str, completion: str, row: dict):
+    """A broken reward (for the test below): text instead of a number, on rank 1 only."""
+    return "abc" if os.environ.get("RANK") == "1" else 1.0
+
+
+# ------------------------------------------------------------ pure math
+
+
+def test_group_advantages_by_hand():
+    from strategy.trainers.losses import group_advantages
+
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0])
+    got = group_advantages(rewards, 4, eps=0.01)
+    std = math.sqrt(((0.5**2) * 2) / 3)  # unbiased: squared deviations 0.25, 0.25, 0, 0 over 3
+    want = torch.tensor([0.5, -0.5, 0.0, 0.0]) / (std + 0.01)
+    torch.testing.assert_close(got[:4], want)
+    assert torch.equal(got[4:], torch.zeros(4))  # a group of equal rewards: no push at all
+
+
+def test_grpo_token_losses_by_hand():
+    from strategy.trainers.losses import grpo_token_losses
+
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.3, 0.3, 0.3]]))
+    old = torch.log(torch.tensor([[0.25, 0.2, 0.3], [0.3, 0.6, 0.3]]))
+    ref = torch.log(torch.tensor([[0.5, 0.1, 0.9], [0.3, 0.3, 0.3]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([1.0, -2.0])
+    losses, metrics = grpo_token_losses(logp, old, ref, adv, mask, clip_eps=0.2, beta=0.5)
+    # row 0: ratios 2, 1, 3 -> clipped to 1.2, 1, 1.2 (advantage > 0: min picks the clip)
+    # row 1: ratios 1, 0.5 -> 0.5 is below 0.8: with advantage < 0 min picks -2 * 0.8 = -1.6
+    k3 = (0.1 / 0.2) - math.log(0.1 / 0.2) - 1  # ref/pi = 0.5 at row 0 token 1
+    want = torch.tensor([[-1.2, -1.0 + 0.5 * k3, -1.2], [2.0, 1.6, 0.0]])
+    torch.testing.assert_close(losses, want)
+    assert metrics["clip_fraction"] == (3.0, 5)  # tokens 0 and 2 of row 0, token 1 of row 1
+    assert metrics["kl"][1] == 5 and metrics["kl"][0] == pytest.approx(k3)
+    assert metrics["ratio"][0] == pytest.approx(2 + 1 + 3 + 1 + 0.5)
+
+
+# ------------------------------------------------------------ at 2 ranks
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
+
+    from strategy.demos.toy_task import make
+    from strategy.trainers.recipe import hf_config
+
+    root = tmp_path_factory.mktemp("grpo")
+    make(str(root / "data"), n_train=45, n_test=13)  # 45 prompts: 5 rollouts of 8, 5 left over
+    tok = AutoTokenizer.from_pretrained(str(root / "data" / "tokenizer"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", tok))
+    model.save_pretrained(root / "init")
+    tok.save_pretrained(root / "init")
+    torch.manual_seed(1)  # a reward model: the same backbone family, one output
+    scorer = AutoModelForSequenceClassification.from_config(
+        hf_config("configs/tiny_llama.json", tok, num_labels=1))
+    scorer.save_pretrained(root / "rm")
+    tok.save_pretrained(root / "rm")
+    return root
+
+
+def _argv(root, name: str, **extra) -> list[str]:
+    args = {"zero_stage": 2, "micro_train_batch_size": 8, "train_batch_size": 32,
+            "micro_eval_batch_size": 4, "group_size": 4, "reward_fn": REWARD,
+            "max_new_tokens": 8, "max_len": 24, "learning_rate": 1e-3, "lr_warmup_ratio": 0.0,
+            "kl_coef": 0.1, "ppo_epochs": 2, "max_steps": 4, "logging_steps": 1, "seed": 5,
+            "pretrain": f"{root}/init", "dataset": f"{root}/data/train.jsonl",
+            "eval_dataset": f"{root}/data/test.jsonl", "save_path": f"{root}/{name}/model",
+            "ckpt_path": f"{root}/{name}/ckpt", "log_dir": f"{root}/{name}/logs", **extra}
+    flags = {True: "--{}", False: "--no-{}"}
+    return [flags[v].format(k) if isinstance(v, bool) else f"--{k}={v}" for k, v in args.items()]
+
+
+def train(root: str, name: str, **extra) -> dict:
+    from strategy.trainers import GRPOTrainer
+    from strategy.trainers.recipe import Run
+
+    with Run.from_args(_argv(root, name, **extra), grpo=True) as run:
+        reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
+        trainer = run.trainer(GRPOTrainer, run.model(), "prompts", grpo=run.grpo,
+                              ref_model=reference, reward=run.reward())
+        final = trainer.fit()
+    return {"history": trainer.history, "final": final}
+
+
+@pytest.mark.slow
+def test_first_update_and_exact_resume(ranks, toy):
+    from safetensors.torch import load_file
+
+    ema = {"ema_beta": 0.9, "save_ema": True}  # any trainer keeps EMA weights: GRPO's too
+    full = ranks.run(train, str(toy), "full", save_steps=2, **ema)
+    averaged = load_file(toy / "full" / "model_ema" / "model.safetensors")
+    current = load_file(toy / "full" / "model" / "model.safetensors")
+    assert averaged.keys() == current.keys()
+    assert not all(torch.equal(averaged[k], current[k]) for k in current)
+    first = full[0]["history"][0]
+    assert first["ratio"] == 1.0 and first["kl"] == 0.0 and first["clip_fraction"] == 0.0
+    second = full[0]["history"][1]  # the rollout's second update: the policy moved
+    assert second["ratio"] != 1.0 and second["kl"] > 0.0
+    keys = ("loss", "reward", "reward_std", "kl", "ratio", "clip_fraction", "grad_norm",
+            "completion_length")
+    same = [[{k: row[k] for k in keys} for row in out["history"]] for out in full]
+    assert same[0] == same[1]  # every rank logs the same reduced figures
+    for row in full[0]["history"]:
+        assert 0.0 <= row["reward"] <= 1.0 and row["completion_length"] >= 1
+        assert row["generation_s"] > 0 and row["update_s"] > 0
+    assert "exact_match" in full[0]["final"] and "reward" in full[0]["final"]
+
+    ckpt = toy / "full" / "ckpt"
+    shutil.rmtree(ckpt / "global_step4")
+    (ckpt / "latest").write_text("global_step2")
+    resumed = ranks.run(train, str(toy), "full", save_steps=2, load_checkpoint=True, **ema)[0]
+    want = [{k: row[k] for k in keys} for row in full[0]["history"][2:]]
+    assert [{k: row[k] for k in keys} for row in resumed["history"]] == want  # bit-identical
+    assert resumed["final"] == full[0]["final"]
+    again = load_file(toy / "full" / "model_ema" / "model.safetensors")  # EMA restored exactly
+    assert all(torch.equal(again[k], averaged[k]) for k in averaged)
+
+
+def greedy_tokens(root: str, stage: int) -> list[list[int]]:
+    """Greedy completions of this rank's held-out prompts, as the trainer generates them."""
+    from strategy.trainers import GRPOTrainer
+    from strategy.trainers.recipe import Run
+
+    extra = {"zero_stage": stage}
+    if stage == 3:
+        extra["ds_config_overrides"] = json.dumps(
+            {"zero_optimization": {"stage3_param_persistence_threshold": 0}})
+    with Run.from_args(_argv(root, f"greedy{stage}", kl_coef=0.0, **extra), grpo=True) as run:
+        trainer = run.trainer(GRPOTrainer, run.model(), "prompts", grpo=run.grpo,
+                              reward=run.reward())
+        out = []
+        for batch in trainer.eval_dataloader:  # uneven shards: 7 and 6 prompts, 2 calls each
+            batch = trainer.to_device(batch)
+            out += trainer.generate(batch["prompt_ids"], batch["prompt_mask"], False).tolist()
+    return out
+
+
+@pytest.mark.slow
+def test_greedy_generation_under_zero3_matches_zero0(ranks, toy):
+    plain = ranks.run(greedy_tokens, str(toy), 0)
+    sharded = ranks.run(greedy_tokens, str(toy), 3)
+    assert [len(r) for r in plain] == [7, 6]
+    assert sharded == plain
+    assert len({tuple(t) for r in plain for t in r}) > 1  # not one degenerate answer
+
+
+def reference_logps(root: str, offload: bool) -> dict:
+    from strategy.internals import is_zero3_param
+    from strategy.trainers import data
+    from strategy.trainers.lm import token_logps
+    from strategy.trainers.recipe import Run
+
+    with Run.from_args(_argv(root, "ref", ref_offload=offload), grpo=True) as run:
+        ref = run.strategy.prepare(run.strategy.from_pretrained(run.model_cfg.pretrain,
+                                                                frozen=True))
+        rows = data.load_sft(f"{root}/data/test.jsonl", run.tokenizer, run.data)
+        batch = data.collate_sft(run.tokenizer.pad_token_id)(rows[:6])
+        with torch.no_grad():
+            logp, mask = token_logps(ref, batch)
+        params = list(ref.module.parameters())
+        partitioned = all(is_zero3_param(p) and p.numel() == 0 for p in params)
+        on_cpu = all(p.ds_tensor.device.type == "cpu" for p in params) if partitioned else None
+    return {"logp": logp, "mask": mask, "partitioned": partitioned, "on_cpu": on_cpu}
+
+
+@pytest.mark.slow
+def test_offloaded_reference_gives_the_same_logps(ranks, toy):
+    resident = ranks.run(reference_logps, str(toy), False)[0]
+    offloaded = ranks.run(reference_logps, str(toy), True)[0]
+    assert not resident["partitioned"]
+    assert offloaded["partitioned"] and offloaded["on_cpu"]  # held as CPU partitions between uses
+    assert torch.equal(resident["mask"], offloaded["mask"])
+    torch.testing.assert_close(offloaded["logp"], resident["logp"], rtol=1e-6, atol=1e-6)
+
+
+def model_reward_run(root: str) -> dict:
+    """GRPO at ZeRO-3 scored by a reward model (an offloaded eval engine): the scores of some
+    texts of very different lengths, and the run's history."""
+    from strategy.trainers import GRPOTrainer
+    from strategy.trainers.recipe import Run
+
+    argv = _argv(root, "rm_run", zero_stage=3, reward_fn="", reward_pretrain=f"{root}/rm",
+                 ref_offload=True, max_steps=2)
+    with Run.from_args([a for a in argv if a != "--reward_fn="], grpo=True) as run:
+        reward = run.reward()
+        prompts, completions = ["ab=", "abcdef=", "q="], ["ba", "fedcbaxyzxyz", ""]
+        scores = reward(prompts, completions, [{}] * 3)
+        reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
+        trainer = run.trainer(GRPOTrainer, run.model(), "prompts", grpo=run.grpo,
+                              ref_model=reference, reward=reward)
+        trainer.fit()
+    return {"scores": scores, "texts": [p + c for p, c in zip(prompts, completions)],
+            "history": trainer.history}
+
+
+@pytest.mark.slow
+def test_reward_model_scores_under_zero3_with_offload(ranks, toy):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = ranks.run(model_reward_run, str(toy))
+    assert out[0]["scores"] == out[1]["scores"]
+    scorer = AutoModelForSequenceClassification.from_pretrained(toy / "rm").eval()
+    tok = AutoTokenizer.from_pretrained(toy / "rm")
+    with torch.no_grad():  # each text alone: no padding to get wrong
+        want = [scorer(**tok(t, add_special_tokens=False, return_tensors="pt")).logits[0, 0].item()
+                for t in out[0]["texts"]]
+    assert len(set(want)) == 3
+    assert out[0]["scores"] == pytest.approx(want, abs=1e-5)
+    assert [row["step"] for row in out[0]["history"]] == [1, 2]
+    assert all(math.isfinite(row["reward"]) for row in out[0]["history"])
+
+
+def bad_reward_run(root: str) -> str:
+    from strategy.errors import StrategyError
+
+    try:
+        train(root, "bad", reward_fn="tests.test_grpo:text_reward", kl_coef=0.0, max_steps=2)
+    except StrategyError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_a_reward_that_is_not_a_number_stops_every_rank(ranks, toy):
+    messages = ranks.run(bad_reward_run, str(toy))  # rank 1's reward fails, rank 0's does not
+    for message in messages:
+        assert message.startswith("rank 1: DataError: reward_fn='tests.test_grpo:text_reward' "
+                                  "returned 'abc' (str) for prompt "), message
+        assert message.endswith("; return a finite float") and "\n" not in message
+
+
+# ------------------------------------------------------------ before any process group
+
+
+CASES = [
+    ({"group_size": 1}, "group_size=1 is invalid: GRPO compares completions within a group"),
+    ({"train_batch_size": 24, "micro_train_batch_size": 4, "group_size": 8},
+     "train_batch_size=24 is invalid: each rank's 12 completions per step (micro x accumulation) "
+     "must divide into groups of group_size=8; use a multiple of 16"),
+    ({"reward_fn": "strategy.demos.toy_task:no_such_reward"},
+     "reward_fn='strategy.demos.toy_task:no_such_reward' is invalid: strategy.demos.toy_task has "
+     "no callable 'no_such_reward'"),
+    ({"reward_fn": "no_such_module:f"}, "reward_fn='no_such_module:f' is invalid: cannot import"),
+    ({"reward_fn": "just_a_name"}, "reward_fn='just_a_name' is invalid: write it as "
+                                   "module:function"),
+    ({"reward_fn": None}, "reward_fn=None is invalid: name a reward"),
+    ({"save_steps": 3}, "save_steps=3 is invalid: a rollout spans ppo_epochs=2 optimizer steps"),
+    ({"max_new_tokens": 24}, "max_new_tokens=24 is invalid: prompt and completion share "
+                             "max_len=24"),
+    ({"sequence_parallel_size": 2}, "sequence_parallel_size=2 is invalid: GRPO generates whole "
+                                    "sequences"),
+    ({"pretrain": None, "model_config": "configs/tiny_llama.json", "tokenizer": "TOK"},
+     "kl_coef=0.1 is invalid: the reference is the --pretrain model"),
+]
+
+
+@pytest.mark.parametrize("change,message", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_bad_grpo_setting_fails_before_process_group(toy, monkeypatch, change, message):
+    import deepspeed
+
+    from strategy.errors import ConfigError
+    from strategy.trainers.recipe import Run
+
+    def reached(*args, **kwargs):
+        raise AssertionError("init_distributed was reached")
+
+    monkeypatch.setattr(deepspeed, "init_distributed", reached)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    change = {k: (f"{toy}/data/tokenizer" if v == "TOK" else v) for k, v in change.items()}
+    argv = [a for a in _argv(toy, "refused", **change) if not a.endswith("=None")]
+    with pytest.raises(ConfigError) as info:
+        Run.from_args(argv, grpo=True)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
