@@ -132,15 +132,10 @@ def _argv(values: dict) -> list[str]:
 
 @pytest.mark.parametrize("change,message", CASES, ids=[str(i) for i in range(len(CASES))])
 def test_bad_setting_fails_before_process_group(toy, monkeypatch, change, message):
-    import deepspeed
-
     from strategy.trainers.recipe import Run
+    from tests.support.helpers import forbid_process_group
 
-    def reached(*args, **kwargs):
-        raise AssertionError("init_distributed was reached")
-
-    monkeypatch.setattr(deepspeed, "init_distributed", reached)
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    forbid_process_group(monkeypatch)
     with pytest.raises(ConfigError) as err:
         change = {
             k: v.replace("FILE", f"{toy}/d.jsonl").replace("TOY", str(toy))
@@ -167,16 +162,14 @@ def test_yaml_with_bad_key_fails_the_same_way(toy, tmp_path, monkeypatch):
 
 
 def test_fp16_refused_where_deepspeed_cannot_train_it(toy, monkeypatch):
-    import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     from strategy.trainers.recipe import Run
+    from tests.support.helpers import forbid_process_group
 
     if get_accelerator().is_fp16_supported():
         pytest.skip("this accelerator trains fp16")
-    monkeypatch.setattr(
-        deepspeed, "init_distributed", lambda *a, **k: pytest.fail("init_distributed was reached")
-    )
+    forbid_process_group(monkeypatch, world_size=None)
     with pytest.raises(
         ConfigError,
         match=r"fp16=True is invalid: DeepSpeed has no fp16 training on this machine's "

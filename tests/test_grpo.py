@@ -282,16 +282,11 @@ CASES = [
 
 @pytest.mark.parametrize("change,message", CASES, ids=[str(i) for i in range(len(CASES))])
 def test_bad_grpo_setting_fails_before_process_group(toy, monkeypatch, change, message):
-    import deepspeed
-
     from strategy.errors import ConfigError
     from strategy.trainers.recipe import Run
+    from tests.support.helpers import forbid_process_group
 
-    def reached(*args, **kwargs):
-        raise AssertionError("init_distributed was reached")
-
-    monkeypatch.setattr(deepspeed, "init_distributed", reached)
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    forbid_process_group(monkeypatch)
     change = {k: (f"{toy}/data/tokenizer" if v == "TOK" else v) for k, v in change.items()}
     argv = [a for a in _argv(toy, "refused", **change) if not a.endswith("=None")]
     with pytest.raises(ConfigError) as info:

@@ -57,3 +57,16 @@ def load_example(name: str):
 
     path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
     return runpy.run_path(str(path), run_name=f"example_{name}")["main"]
+
+
+def forbid_process_group(monkeypatch, world_size: int | None = 2) -> None:
+    """Any start of a process group fails the test: the checks under test must come before it.
+    ``world_size``: what the launcher's environment says (None: leave it)."""
+    import deepspeed
+
+    def reached(*args, **kwargs):
+        raise AssertionError("init_distributed was reached")
+
+    monkeypatch.setattr(deepspeed, "init_distributed", reached)
+    if world_size is not None:
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
