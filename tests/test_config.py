@@ -62,14 +62,16 @@ def test_yaml_may_set_callers_own_flags(tmp_path):
 def test_every_shipped_config_loads():
     files = sorted(glob.glob("configs/*.yaml"))
     assert files, "configs/ must hold at least one YAML"
+    from strategy.trainers.config import GRPOConfig
     from strategy.trainers.recipe import CONFIG_CLASSES
 
     for path in files:
         first = open(path).readline()
-        assert first.startswith("# ") and ("deepspeed" in first or "bash" in first), (
-            f"{path}: no launch command"
-        )
-        configs, _ = parse_configs(CONFIG_CLASSES, ["--config", path])
+        assert first.startswith("# ") and any(
+            launcher in first for launcher in ("deepspeed", "torchrun", "bash")
+        ), f"{path}: no launch command"
+        grpo = "train_grpo" in first  # online RL configs also carry GRPOConfig's fields
+        configs, _ = parse_configs(CONFIG_CLASSES + [GRPOConfig] * grpo, ["--config", path])
         configs[0].validate_world(2)  # every shipped config runs at 2 ranks
 
 

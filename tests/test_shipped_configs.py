@@ -62,7 +62,7 @@ def run_example(script: str, config: str, toy: str) -> dict:
         "--log_dir",
         f"{out}/logs",
     ]
-    if "pretrain:" in open(config).read() or script == "train_grpo":  # GRPO starts from a model
+    if "pretrain:" in open(config).read():
         argv += ["--pretrain", f"{toy}/model"]
     return load_example(script)(argv)
 
