@@ -382,12 +382,7 @@ class DeepSpeedStrategy:
             load_lr_scheduler_states, dataloader, universal, layout=self._layout(),
             node_local=self.checkpoint_storage(load_dir) == "node_local")
         if ema is not None and path is not None:
-            error = None
-            try:
-                ema.load(path, self.rank)
-            except Exception as exc:  # noqa: BLE001 - every rank raises alike below
-                error = exc
-            dist.raise_if_any_failed(error, lambda rank, message: CheckpointFileError(
+            dist.checked(ema.load, path, self.rank, make=lambda rank, message: CheckpointFileError(
                 f"loading EMA weights failed on rank {rank}: {message}"))
         return path, state
 

@@ -299,15 +299,18 @@ def raise_if_any_failed(error: BaseException | None, make: Callable[[int, str], 
         raise make(*failed) from error
 
 
-def checked(fn: Callable, *args: Any) -> Any:
+def checked(fn: Callable, *args: Any,
+            make: Callable[[int, str], BaseException] | None = None) -> Any:
     """Collective: every rank runs ``fn(*args)``; an error on any rank is raised on all of them
-    (the lowest failing rank's, as one line naming it), so none waits in a later collective."""
+    (the lowest failing rank's, as one line naming it), so none waits in a later collective.
+    ``make(rank, message)`` builds that error (default: ``RankFailedError("rank N: ...")``)."""
     value, error = None, None
     try:
         value = fn(*args)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = exc
-    raise_if_any_failed(error, lambda rank, message: RankFailedError(f"rank {rank}: {message}"))
+    raise_if_any_failed(error, make or (lambda rank, message: RankFailedError(
+        f"rank {rank}: {message}")))
     return value
 
 

@@ -4,6 +4,8 @@ checkpoint, and exported as a normal HF directory."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -91,6 +93,20 @@ def ema_run(stage: int, root: str) -> dict:
     for name in continued:
         assert torch.equal(continued2[name], continued[name]), name
         assert torch.equal(more2[-1][name], more[-1][name]), name
+
+    from strategy.errors import CheckpointFileError
+
+    strategy.barrier()
+    if strategy.rank == 0:  # rank 1's part of the average goes missing
+        os.remove(f"{root}/ckpt/k5/ema_1.safetensors")
+    strategy.barrier()
+    try:
+        strategy.load_ckpt(engine2, ema=ema2)
+        raise AssertionError("a checkpoint without rank 1's EMA weights loaded")
+    except CheckpointFileError as exc:  # on every rank alike, naming the rank and the file
+        message = str(exc)
+    assert message.startswith("loading EMA weights failed on rank 1: "), message
+    assert "ema_1.safetensors: no EMA weights for rank 1" in message and "\n" not in message
     strategy.close()
     return {"ok": True}
 

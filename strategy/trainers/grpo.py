@@ -121,17 +121,12 @@ class GRPOTrainer(Trainer):
 
     def _resume(self) -> tuple[int, int]:
         """Resume between rollouts; the prompt sampler is placed by rollouts done."""
-        path, _ = self.strategy.load_ckpt(self.model, ema=self.ema)
-        if path is None:
-            self.strategy.print(f"[ckpt] nothing to resume in {self.strategy.checkpoint.ckpt_path}"
-                                "; starting fresh")
+        if not self._load_latest(None):  # prompts are placed by rollouts, below
             return 0, 0
-        self.global_step = self.strategy.resume_state.global_step
         ppo = self.grpo.ppo_epochs
         epoch, within = divmod(self.global_step // ppo, self.step_plan.steps_per_epoch // ppo)
         consumed = within * self.per_rank * self.strategy.data_parallel_size
         self.train_dataloader.sampler.load_state_dict({"epoch": epoch, "consumed": consumed})
-        self.strategy.print(f"[ckpt] resumed {path} at step {self.global_step}")
         return epoch, within * ppo
 
     # ------------------------------------------------------------ rollout

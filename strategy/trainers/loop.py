@@ -258,13 +258,19 @@ class Trainer:
 
     def _resume(self) -> tuple[int, int]:
         """Load the newest complete checkpoint; return (epoch, steps already done in it)."""
-        path, _ = self.strategy.load_ckpt(self.model, dataloader=self.train_dataloader,
-                                          ema=self.ema)
+        if not self._load_latest(self.train_dataloader):
+            return 0, 0
+        state = self.strategy.resume_state
+        return state.epoch, state.epoch_consumed // self.strategy.config.train_batch_size
+
+    def _load_latest(self, dataloader) -> bool:
+        """Load the newest complete checkpoint (``dataloader`` placed by DeepSpeed's sample count,
+        if given) and take its step; False when there is none."""
+        path, _ = self.strategy.load_ckpt(self.model, dataloader=dataloader, ema=self.ema)
         if path is None:
             where = self.strategy.checkpoint.ckpt_path
             self.strategy.print(f"[ckpt] nothing to resume in {where}; starting fresh")
-            return 0, 0
-        state = self.strategy.resume_state
-        self.global_step = state.global_step
+            return False
+        self.global_step = self.strategy.resume_state.global_step
         self.strategy.print(f"[ckpt] resumed {path} at step {self.global_step}")
-        return state.epoch, state.epoch_consumed // self.strategy.config.train_batch_size
+        return True
