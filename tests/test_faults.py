@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 
-from strategy.dist import free_port
+from tests.support.helpers import torchrun_command
 from tests.support.ranks import shm_buffers
 
 SCRIPT = "tests/scripts/fault_train.py"
@@ -55,18 +54,7 @@ def _job(
         "--timeout_minutes",
         "1",
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        SCRIPT,
-        *args,
-        *flags,
-    ]
+    cmd = torchrun_command(SCRIPT, *args, *flags)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

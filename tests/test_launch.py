@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from strategy.dist import free_port
+from tests.support.helpers import torchrun_command
 from tests.support.ranks import shm_buffers
 
 PROBE = "tests/scripts/launch_probe.py"
@@ -56,21 +57,7 @@ def test_deepspeed_launcher_zero3():
 @pytest.mark.slow
 def test_torchrun_and_single_process():
     port = free_port()
-    out = _run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(port),
-            PROBE,
-            "--zero_stage",
-            "2",
-        ],
-        port,
-    )
+    out = _run(torchrun_command(PROBE, "--zero_stage", "2", port=port), port)
     assert sorted(r["rank"] for r in out) == ["0", "1"] and {r["stage"] for r in out} == {"2"}
     env_free = {
         k: v

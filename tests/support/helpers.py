@@ -70,3 +70,13 @@ def forbid_process_group(monkeypatch, world_size: int | None = 2) -> None:
     monkeypatch.setattr(deepspeed, "init_distributed", reached)
     if world_size is not None:
         monkeypatch.setenv("WORLD_SIZE", str(world_size))
+
+
+def torchrun_command(script: str, *args: str, port: int | None = None) -> list[str]:
+    """``python -m torch.distributed.run`` of ``script`` at 2 ranks on this machine."""
+    import sys
+
+    from strategy.dist import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--master_port", str(port or free_port()), script, *args]
