@@ -15,15 +15,14 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from transformers.integrations import HfDeepSpeedConfig
-from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from strategy import dist
 from strategy.checkpoint import (
     CheckpointConfig,
+    CheckpointStorage,
     ResumeState,
-    deepspeed_section,
-    find_storage,
+    Retention,
+    RunLayout,
     load_checkpoint,
     save_checkpoint,
 )
@@ -32,17 +31,14 @@ from strategy.dtypes import training_dtype
 from strategy.ema import EMA
 from strategy.errors import CheckpointFileError, fail
 from strategy.export import save_model, save_model_metadata
-from strategy.internals import (
-    engine_measures_grad_norm,
-    is_tensor_parallel_param,
-    release_tensor_parallel_groups,
-    restart_adam_powers,
-    tensor_parallel_group,
-)
-from strategy.model import build_hf_model
+from strategy.internals import release_tensor_parallel_groups, restart_adam_powers
+from strategy.log import get_logger
+from strategy.model import ModelFactory
 from strategy.optim import OptimConfig, build_optimizer, create_scheduler, get_param_groups
-from strategy.parallel import SequenceParallel
+from strategy.parallel import GradNorms, SequenceParallel
 from strategy.sampler import ResumableDistributedSampler, ShardSampler
+
+export_log = get_logger("export")
 
 
 class DeepSpeedStrategy:
@@ -56,11 +52,12 @@ class DeepSpeedStrategy:
         self.config = config or StrategyConfig()
         self.optim = optim or OptimConfig()
         self.checkpoint = checkpoint or CheckpointConfig()
-        self._hf_ds_config = None  # keeps transformers' ZeRO-3 hook alive while models are built
-        self._grad_norms: dict[int, float] = {}  # id(engine) -> norm we measured (plain ZeRO-0)
+        self.models = ModelFactory(self.config.zero_stage, lambda: self.ds_config,
+                                   lambda: self.eval_ds_config)  # holds the ZeRO-3 hook
+        self.grad_norms = GradNorms(self.config.tensor_parallel_size > 1)  # ZeRO-0's, measured
+        self.storage = CheckpointStorage(self.checkpoint)  # each checkpoint directory's kind
         self.sequence: SequenceParallel | None = None  # Ulysses groups (sequence_parallel_size > 1)
         self.resume_state: ResumeState | None = None  # set by load_ckpt
-        self._storage: dict[str, str] = {}  # checkpoint directory -> "shared" | "node_local"
 
     def __enter__(self) -> DeepSpeedStrategy:
         return self
@@ -93,15 +90,7 @@ class DeepSpeedStrategy:
         ``checkpoint.ckpt_path``, whose kind DeepSpeed is configured for; other directories must
         be of the same kind). Found once per directory (``checkpoint.checkpoint_storage`` may
         insist on one)."""
-        path = os.path.abspath(directory or self.checkpoint.ckpt_path)
-        if path not in self._storage:
-            self._storage[path] = find_storage(path, self.checkpoint.checkpoint_storage)
-        main = self._storage.get(os.path.abspath(self.checkpoint.ckpt_path))
-        if main is not None and self._storage[path] != main:
-            fail("save_dir", directory, f"it is {self._storage[path]} storage but ckpt_path "
-                 f"{self.checkpoint.ckpt_path} is {main} (DeepSpeed is configured for that); "
-                 "use a directory of the same kind")
-        return self._storage[path]
+        return self.storage.kind(directory)
 
     def _check_accelerator(self) -> None:
         accelerator = get_accelerator()
@@ -187,8 +176,7 @@ class DeepSpeedStrategy:
     @property
     def ds_config(self) -> dict:
         out = build_ds_config(self.config, self.world_size)
-        if self._storage:  # node-local storage: each node writes its own copy of model states
-            out.update(deepspeed_section(self.checkpoint_storage()))
+        out.update(self.storage.deepspeed_section())  # node-local: each node writes its copy
         return out
 
     @property
@@ -206,20 +194,7 @@ class DeepSpeedStrategy:
         """Build a Hugging Face model (path, hub name or config); partitioned at construction
         under ZeRO-3. ``frozen``: a model that only runs forwards (a reference or reward model),
         built as its eval engine keeps it (with ``ref_offload``: partitioned onto the CPU)."""
-        dtype = dtype or self.dtype
-        if frozen and self.eval_ds_config["zero_optimization"]["stage"] == 3:
-            eval_hook = HfDeepSpeedConfig(_construction(self.eval_ds_config))
-            try:
-                return build_hf_model(name_or_config, auto_cls, dtype, **kwargs)
-            finally:
-                del eval_hook
-                if self._hf_ds_config is not None:
-                    set_hf_deepspeed_config(self._hf_ds_config)
-                else:
-                    unset_hf_deepspeed_config()
-        if self.config.zero_stage == 3 and self._hf_ds_config is None:
-            self._hf_ds_config = HfDeepSpeedConfig(_construction(self.ds_config))
-        return build_hf_model(name_or_config, auto_cls, dtype, **kwargs)
+        return self.models.build(name_or_config, auto_cls, dtype or self.dtype, frozen, **kwargs)
 
     def create_optimizer(self, model: nn.Module, lr: float | None = None,
                          betas: tuple[float, float] | None = None,
@@ -290,17 +265,13 @@ class DeepSpeedStrategy:
     def optimizer_step(self, engine) -> None:
         """DeepSpeed steps (clip, update, schedule, zero grads) only at accumulation boundaries."""
         if engine.is_gradient_accumulation_boundary():
-            if not engine_measures_grad_norm(engine):  # measured before DeepSpeed drops it
-                self._grad_norms[id(engine)] = _grad_norm(engine.module,
-                                                          self.config.tensor_parallel_size > 1)
+            self.grad_norms.before_step(engine)  # measured before DeepSpeed drops the gradients
             restart_adam_powers(engine.optimizer)  # exact resume on DeepSpeed's CPU Adam
         engine.step()
 
     def get_grad_norm(self, engine) -> float | None:
         """The global gradient norm (before clipping) of the last optimizer step."""
-        norm = engine.get_global_grad_norm()
-        norm = self._grad_norms.get(id(engine)) if norm is None else norm
-        return None if norm is None else float(norm)
+        return self.grad_norms.get(engine)
 
     def setup_dataloader(self, dataset: Dataset, batch_size: int | None = None,
                          shuffle: bool = True, collate_fn: Callable | None = None,
@@ -338,33 +309,47 @@ class DeepSpeedStrategy:
         with ema.swapped_in() if ema is not None else nullcontext():
             out = save_model(engine, tokenizer, output_dir, max_shard_size=max_shard_size,
                              dtype=dtype, merge_lora=merge_lora)
-        dist.print0(f"[save_model] wrote {os.path.abspath(out)} from global rank 0 on "
-                    f"{socket.gethostname()}")
+        export_log.info("save_model wrote %s from global rank 0 on %s", os.path.abspath(out),
+                        socket.gethostname())
         return out
 
     # ------------------------------------------------------------ resume checkpoints
     def save_ckpt(self, engine, save_dir: str | None = None, tag: str | None = None,
-                  client_state: dict | None = None, max_num: int | None = None,
-                  max_mem: float | None = None, metric: float | None = None,
-                  keep_best: int | None = None, higher_is_better: bool | None = None,
-                  tokenizer: Any = None, ema: EMA | None = None) -> str:
-        """Every rank: save a resume checkpoint (step, samples, RNG, scheduler, ``client_state``)
-        at an accumulation boundary into ``save_dir`` (default ``checkpoint.ckpt_path``). Retention
-        comes from the ``CheckpointConfig`` unless given here: at most ``max_num`` checkpoints and
-        ``max_mem`` GB (HF exports at ``<tag>_hf`` included), plus the ``keep_best`` best by
-        ``metric``. The model's ``config.json`` (and ``tokenizer``'s files, if given) go beside the
-        weights, so ``python -m strategy.export`` needs nothing else; ``ema``'s weights go in too.
-        Returns the checkpoint's directory."""
-        ckpt = self.checkpoint
+                  client_state: dict | None = None, *, retention: Retention | None = None,
+                  metric: float | None = None, tokenizer: Any = None,
+                  ema: EMA | None = None) -> str:
+        """Every rank: save a resume checkpoint at an accumulation boundary.
+
+        It holds step, consumed samples, every RNG, the scheduler and ``client_state``; the
+        model's ``config.json`` (and ``tokenizer``'s files) go beside the weights, so
+        ``python -m strategy.export`` needs nothing else. Once it is published, ``retention``
+        deletes the checkpoints it does not keep.
+
+        Args:
+            engine: the training engine (from ``prepare``).
+            save_dir: the checkpoint directory (default ``checkpoint.ckpt_path``), of the same
+                storage kind as ``ckpt_path``.
+            tag: the checkpoint's name (default ``global_step<N>``).
+            client_state: a JSON-safe dict ``load_ckpt`` returns.
+            retention: which checkpoints to keep (default ``Retention.from_config`` of the
+                ``CheckpointConfig``); HF exports at ``<tag>_hf`` count toward ``max_mem``.
+            metric: this checkpoint's value of the metric ``keep_best`` ranks by.
+            tokenizer: saved beside the weights when given.
+            ema: its moving-average weights are saved too.
+
+        Returns:
+            The checkpoint's directory.
+
+        Raises:
+            ConfigError: not at an accumulation boundary, a bad tag, or ``save_dir`` of another
+                storage kind.
+            SaveError: a rank failed to write (every rank raises it; earlier checkpoints stay).
+        """
         return save_checkpoint(
-            engine, save_dir or ckpt.ckpt_path, tag, client_state,
-            max_num=ckpt.max_ckpt_num if max_num is None else max_num,
-            max_mem=ckpt.max_ckpt_mem if max_mem is None else max_mem, metric=metric,
-            keep_best=ckpt.keep_best_ckpt if keep_best is None else keep_best,
-            higher_is_better=(ckpt.best_metric_higher if higher_is_better is None
-                              else higher_is_better),
+            engine, save_dir or self.checkpoint.ckpt_path, tag, client_state,
+            retention=retention or Retention.from_config(self.checkpoint), metric=metric,
             write_metadata=lambda directory: save_model_metadata(engine, directory, tokenizer),
-            layout=self._layout(), node_local=self.checkpoint_storage(save_dir) == "node_local",
+            layout=self.layout, node_local=self.storage.is_node_local(save_dir),
             rank_files=None if ema is None else ema.save)
 
     def load_ckpt(self, engine, load_dir: str | None = None, tag: str | None = None,
@@ -379,8 +364,8 @@ class DeepSpeedStrategy:
         forces or forbids that). ``ema`` gets its saved weights back."""
         path, state, self.resume_state = load_checkpoint(
             engine, load_dir or self.checkpoint.ckpt_path, tag, load_optimizer_states,
-            load_lr_scheduler_states, dataloader, universal, layout=self._layout(),
-            node_local=self.checkpoint_storage(load_dir) == "node_local")
+            load_lr_scheduler_states, dataloader, universal, layout=self.layout,
+            node_local=self.storage.is_node_local(load_dir))
         if ema is not None and path is not None:
             dist.checked(ema.load, path, self.rank, make=lambda rank, message: CheckpointFileError(
                 f"loading EMA weights failed on rank {rank}: {message}"))
@@ -391,19 +376,17 @@ class DeepSpeedStrategy:
         ``ema.update()`` after each optimizer step (``Trainer`` does with ``--ema_beta``)."""
         return EMA(engine.module, beta)
 
-    def _layout(self) -> dict:
+    @property
+    def layout(self) -> RunLayout:
         """What a checkpoint records of the run's shape, for its resume to check and count."""
         cfg = self.config
-        return {"sequence_parallel_size": cfg.sequence_parallel_size,
-                "tensor_parallel_size": cfg.tensor_parallel_size,
-                "samples_per_step": cfg.train_batch_size}
+        return RunLayout(cfg.sequence_parallel_size, cfg.tensor_parallel_size,
+                         cfg.train_batch_size)
 
     def close(self, keep_failure_hook: bool = False) -> None:
         """Drop the ZeRO-3 construction hook (so later single-process loads behave normally) and
         the failure hook (unless an error is on its way out). Safe to call more than once."""
-        if self._hf_ds_config is not None:
-            unset_hf_deepspeed_config()
-            self._hf_ds_config = None
+        self.models.close()
         if self.sequence is not None:
             self.sequence.close()
             self.sequence = None
@@ -413,27 +396,9 @@ class DeepSpeedStrategy:
             dist.remove_failure_hook()
 
 
-def _construction(ds_config: dict) -> dict:
-    """What ZeRO-3 construction reads: transformers checks the batch sizes without Ulysses'
-    groups (over the whole world), so DeepSpeed derives the batch instead."""
-    return {k: v for k, v in ds_config.items() if k != "train_batch_size"}
-
-
 def _scaled(data: Any, factor: float) -> Any:
     """Numbers, tensors and nested dicts of them, times ``factor``."""
     if isinstance(data, dict):
         return {key: _scaled(value, factor) for key, value in data.items()}
     return data * factor
 
-
-def _grad_norm(module: nn.Module, tensor_parallel: bool = False) -> float:
-    """The gradient norm ZeRO-0 does not measure; AutoTP slices' squares are summed over their
-    tensor-parallel group, whole parameters counted once."""
-    squares = torch.zeros(2, dtype=torch.float64)  # [whole parameters, split slices]
-    for p in module.parameters():
-        if p.grad is not None:
-            split = tensor_parallel and is_tensor_parallel_param(p)
-            squares[int(split)] += torch.linalg.vector_norm(p.grad.double()).pow(2).cpu()
-    if tensor_parallel:
-        squares[1] = dist.all_reduce(squares[1], "sum", group=tensor_parallel_group())
-    return squares.sum().sqrt().item()

@@ -10,7 +10,6 @@ and exits at once (the launcher then stops the others), ``close()`` removes it.
 
 from __future__ import annotations
 
-import builtins
 import os
 import random
 import socket
@@ -26,6 +25,7 @@ from deepspeed.accelerator import get_accelerator
 
 from strategy.errors import ConfigError, RankFailedError
 from strategy.internals import default_store, shm_allreduce_buffer_path
+from strategy.log import print0  # noqa: F401 - ``print`` on rank 0 only, re-exported
 
 _OPS = {"sum": torch_dist.ReduceOp.SUM, "mean": torch_dist.ReduceOp.SUM,
         "max": torch_dist.ReduceOp.MAX, "min": torch_dist.ReduceOp.MIN}
@@ -67,12 +67,6 @@ def get_node_rank() -> int:
 
 def is_rank_0() -> bool:
     return get_rank() == 0
-
-
-def print0(*args: Any, **kwargs: Any) -> None:
-    """``print`` on rank 0 only."""
-    if is_rank_0():
-        builtins.print(*args, **kwargs, flush=True)
 
 
 def barrier() -> None:

@@ -1,15 +1,18 @@
-"""Hugging Face models: building them so ZeRO-3 partitions them at construction, telling PEFT
-models apart, and listing a model's tensors with tied ones once."""
+"""Hugging Face models: building them so ZeRO-3 partitions them at construction (``ModelFactory``
+holds transformers' ZeRO-3 hook), telling PEFT models apart, and listing a model's tensors with
+tied ones once."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from peft import PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.integrations import HfDeepSpeedConfig
+from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from strategy.checkpoint.safe_load import check_safetensors_dir
 
@@ -27,6 +30,55 @@ def build_hf_model(name_or_config: Any, auto_cls: Any = None, dtype: torch.dtype
     if os.path.isdir(name_or_config):
         check_safetensors_dir(name_or_config)
     return auto_cls.from_pretrained(name_or_config, dtype=dtype, **kwargs)
+
+
+def construction_config(ds_config: dict) -> dict:
+    """What ZeRO-3 construction reads: transformers checks the batch sizes without Ulysses'
+    groups (over the whole world), so DeepSpeed derives the batch instead."""
+    return {k: v for k, v in ds_config.items() if k != "train_batch_size"}
+
+
+class ModelFactory:
+    """Builds the models a run trains and the frozen ones it only runs forwards through, each
+    partitioned at construction when its engine runs ZeRO-3.
+
+    transformers builds inside ``deepspeed.zero.Init`` while an ``HfDeepSpeedConfig`` is alive;
+    the training config's hook is kept from the first ZeRO-3 model until ``close()``, a frozen
+    model's (its eval engine's config) only while that model is built."""
+
+    def __init__(self, zero_stage: int, ds_config: Callable[[], dict],
+                 eval_ds_config: Callable[[], dict]) -> None:
+        self.zero_stage = zero_stage
+        self.ds_config, self.eval_ds_config = ds_config, eval_ds_config
+        self._train_hook: HfDeepSpeedConfig | None = None
+
+    def build(self, name_or_config: Any, auto_cls: Any = None, dtype: torch.dtype | None = None,
+              frozen: bool = False, **kwargs: Any) -> nn.Module:
+        """``build_hf_model`` under the hook the model's engine needs (none below ZeRO-3)."""
+        if frozen:
+            eval_config = self.eval_ds_config()
+            if eval_config["zero_optimization"]["stage"] == 3:
+                return self._build_frozen(eval_config, name_or_config, auto_cls, dtype, **kwargs)
+        if self.zero_stage == 3 and self._train_hook is None:
+            self._train_hook = HfDeepSpeedConfig(construction_config(self.ds_config()))
+        return build_hf_model(name_or_config, auto_cls, dtype, **kwargs)
+
+    def _build_frozen(self, eval_config: dict, *args: Any, **kwargs: Any) -> nn.Module:
+        eval_hook = HfDeepSpeedConfig(construction_config(eval_config))
+        try:
+            return build_hf_model(*args, **kwargs)
+        finally:
+            del eval_hook
+            if self._train_hook is not None:
+                set_hf_deepspeed_config(self._train_hook)
+            else:
+                unset_hf_deepspeed_config()
+
+    def close(self) -> None:
+        """Drop the training hook, so later single-process loads behave normally."""
+        if self._train_hook is not None:
+            unset_hf_deepspeed_config()
+            self._train_hook = None
 
 
 def is_peft_model(module: nn.Module) -> bool:

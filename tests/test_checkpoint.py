@@ -387,6 +387,7 @@ def test_publish_replaces_a_resaved_tag_whole(tmp_path):
 
 
 def test_scan_groups_hf_exports_with_their_checkpoint(tmp_path):
+    from strategy.checkpoint import Retention
     from strategy.checkpoint.layout import scan
     from strategy.checkpoint.retention import apply_retention
 
@@ -398,7 +399,7 @@ def test_scan_groups_hf_exports_with_their_checkpoint(tmp_path):
     (tmp_path / "other" / "data.bin").write_bytes(b"z" * 10**4)
     entries = {e.name: e for e in scan(str(tmp_path))}
     assert set(entries) == {"s1", "s2"} and entries["s1"].size > 1000
-    assert apply_retention(str(tmp_path), 1, 1.0) == ["s1"]
+    assert apply_retention(str(tmp_path), Retention(max_num=1, max_mem=1.0)) == ["s1"]
     assert sorted(os.listdir(tmp_path)) == [".incomplete", "other", "s2"]
 
 
@@ -535,6 +536,7 @@ def test_resume_on_another_world_size(ranks, tmp_path, stage, saved_on, resumed_
 
 
 def _retention_body(ckpt_dir: str) -> list:
+    from strategy.checkpoint import Retention
     from strategy.checkpoint.layout import dir_size
     from strategy.checkpoint.retention import GIB
 
@@ -563,13 +565,12 @@ def _retention_body(ckpt_dir: str) -> list:
         engine.module.save_pretrained(os.path.join(ckpt_dir, "export_hf"))
     s.barrier()
     for k in range(4):  # step 2 has the best (lowest) metric
-        step_save_export(max_num=2, metric=abs(k - 1) + 0.5, keep_best=1)
+        step_save_export(retention=Retention(max_num=2, keep_best=1), metric=abs(k - 1) + 0.5)
     one = dir_size(os.path.join(ckpt_dir, "global_step4")) + dir_size(
         os.path.join(ckpt_dir, "global_step4_hf")
     )
-    step_save_export(
-        max_num=10, max_mem=1.5 * one / GIB
-    )  # room for about one checkpoint with its export
+    # room for about one checkpoint with its export
+    step_save_export(retention=Retention(max_num=10, max_mem=1.5 * one / GIB))
     s.close()
     return listings
 

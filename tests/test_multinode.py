@@ -120,7 +120,7 @@ def test_two_nodes_train_save_resume_and_export_like_one_node(reference):
     assert "shared by all 2 nodes; global rank 0 publishes" in nodes[0].stdout
     assert _losses(toy, "shared") == _losses(toy, "ref2")
     _assert_same_weights(_weights(toy, "ref2"), _weights(toy, "shared"))
-    assert sum("[save_model] wrote" in n.stdout for n in nodes) == 1  # global rank 0 only
+    assert sum("[export] save_model wrote" in n.stdout for n in nodes) == 1  # global rank 0 only
 
     ckpt = toy / "shared" / "ckpt"
     shutil.rmtree(ckpt / "global_step6")

@@ -1,4 +1,5 @@
-"""``CheckpointConfig``: where resume checkpoints go and which of them are kept."""
+"""``CheckpointConfig``: where resume checkpoints go and which of them are kept; ``Retention``: the
+keep rules one save applies (the config's, unless a caller passes its own)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,25 @@ def validate_limits(max_num: int, max_mem: float, keep_best: int,
         fail(names[1], max_mem, "use a positive size in GB, e.g. 1000")
     if not isinstance(keep_best, int) or keep_best < 0:
         fail(names[2], keep_best, "use 0 (off) or the number of best checkpoints to keep")
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which checkpoints a save keeps; validated on construction. Oldest first, checkpoints (with
+    their ``<tag>_hf`` exports) are deleted while more than ``max_num`` or ``max_mem`` GB remain,
+    except the newest and the ``keep_best`` best by the metric each was saved with."""
+
+    max_num: int = 3  # keep at most this many checkpoints
+    max_mem: float = 1000.0  # keep at most this many GB (HF exports beside them included)
+    keep_best: int = 0  # also keep the K checkpoints with the best metric (0: off)
+    higher_is_better: bool = False  # a higher metric is better (accuracy); default lower (loss)
+
+    def __post_init__(self) -> None:
+        validate_limits(self.max_num, self.max_mem, self.keep_best)
+
+    @classmethod
+    def from_config(cls, config: CheckpointConfig) -> Retention:
+        """The rules ``config`` sets (``max_ckpt_num``, ``max_ckpt_mem``, ``keep_best_ckpt``,
+        ``best_metric_higher``)."""
+        return cls(config.max_ckpt_num, config.max_ckpt_mem, config.keep_best_ckpt,
+                   config.best_metric_higher)

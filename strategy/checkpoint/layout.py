@@ -3,7 +3,8 @@
 ``save_dir/<tag>/`` is one checkpoint; a complete one holds ``strategy_state.json`` (written last).
 ``save_dir/<tag>_hf/`` is an HF export of that checkpoint; other directories with a ``config.json``
 or ``adapter_config.json`` are HF exports on their own. ``save_dir/latest`` names the newest tag;
-``save_dir/.incomplete/`` holds saves in progress and directories being deleted.
+``save_dir/.incomplete/`` holds saves in progress and directories being deleted. ``RunLayout`` is
+the run's shape a checkpoint records (and a resume checks).
 """
 
 from __future__ import annotations
@@ -17,6 +18,29 @@ STAGING = ".incomplete"
 HF_SUFFIX = "_hf"
 LATEST = "latest"
 UNIVERSAL = "universal"  # <tag>/universal: DeepSpeed's universal conversion, made on first use
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """What a checkpoint records of the run's shape, for its resume to check and count."""
+
+    sequence_parallel_size: int = 1  # a checkpoint resumes at the size it was saved at
+    tensor_parallel_size: int = 1  # likewise
+    samples_per_step: int | None = None  # the global batch (None: DeepSpeed's own sample count)
+
+    def recorded(self) -> dict:
+        """The keys written into ``strategy_state.json`` (the sizes a resume checks)."""
+        return {"sequence_parallel_size": self.sequence_parallel_size,
+                "tensor_parallel_size": self.tensor_parallel_size}
+
+    def mismatch(self, meta: dict) -> tuple[str, int, int] | None:
+        """``(name, saved, now)`` of the first size ``meta`` was saved at that differs from this
+        run's, or None (a checkpoint that records no size was saved at 1)."""
+        for name, now in self.recorded().items():
+            saved = meta.get(name, 1)
+            if saved != now:
+                return name, saved, now
+        return None
 
 
 @dataclass

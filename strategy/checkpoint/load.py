@@ -9,7 +9,7 @@ import shutil
 from typing import Any
 
 from strategy import dist
-from strategy.checkpoint.layout import META, UNIVERSAL, read_meta
+from strategy.checkpoint.layout import META, UNIVERSAL, RunLayout, read_meta
 from strategy.checkpoint.progress import ResumeState, progress, sampler_of
 from strategy.checkpoint.rng_state import restore_rng
 from strategy.checkpoint.safe_load import verify_torch_files, weights_only_loads
@@ -17,6 +17,9 @@ from strategy.checkpoint.save import CLIENT_KEY
 from strategy.checkpoint.tags import node_view, resolve_common_tag, resolve_tag
 from strategy.errors import CheckpointFileError, fail
 from strategy.internals import convert_to_universal, universal_checkpoint_loading
+from strategy.log import get_logger
+
+log = get_logger("checkpoint")
 
 
 def ensure_universal(ckpt_dir: str) -> str:
@@ -48,17 +51,19 @@ def _load_universal(engine: Any, ckpt_dir: str, meta: dict, **kw: Any) -> tuple[
     return path, state
 
 
-def check_layout(meta: dict, layout: dict, ckpt_dir: str) -> None:
+def check_layout(meta: dict, layout: RunLayout, ckpt_dir: str) -> None:
     """A checkpoint resumes at the sequence- and tensor-parallel sizes it was saved at."""
-    for name in ("sequence_parallel_size", "tensor_parallel_size"):
-        saved, now = meta.get(name, 1), layout.get(name, 1)
-        if saved != now:
-            fail(name, now, f"{ckpt_dir} was saved at {name}={saved}; resume with the same size")
+    mismatch = layout.mismatch(meta)
+    if mismatch is not None:
+        name, saved, now = mismatch
+        fail(name, now, f"{ckpt_dir} was saved at {name}={saved}; resume with the same size")
 
 
-def check_resumable(load_dir: str, layout: dict) -> None:
+def check_resumable(load_dir: str, layout: RunLayout | dict) -> None:
     """Before any process group starts: the checkpoint a resume would pick was saved at the same
-    sequence- and tensor-parallel sizes (this rank's view of ``load_dir``)."""
+    sequence- and tensor-parallel sizes (this rank's view of ``load_dir``). ``layout``: the run's
+    (a dict of ``RunLayout``'s fields is taken too)."""
+    layout = RunLayout(**layout) if isinstance(layout, dict) else layout
     tag = resolve_tag(load_dir, None) if os.path.isdir(load_dir) else None
     if tag is not None:
         check_layout(read_meta(os.path.join(load_dir, tag)), layout, os.path.join(load_dir, tag))
@@ -73,23 +78,22 @@ def pick_tag(load_dir: str, tag: str | None, node_local: bool = False) -> str | 
     chosen = resolve_common_tag(views, load_dir, tag)
     newest = [done[-1] if done else None for _, done in views]
     if any(name != chosen for name in newest):
-        dist.print0(f"[checkpoint] newest complete per node: {newest}; every rank resumes from "
-                    f"{chosen}, the newest complete on all of them")
+        log.info("newest complete per node: %s; every rank resumes from %s, the newest complete "
+                 "on all of them", newest, chosen)
     return chosen
 
 
 def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     dataloader: Any = None, universal: bool | None = None,
-                    layout: dict | None = None, node_local: bool = False,
+                    layout: RunLayout | None = None, node_local: bool = False,
                     ) -> tuple[str | None, dict, ResumeState | None]:
     """Load on every rank (collective). Returns the checkpoint directory (None: nothing to
     resume), the caller's client_state and the :class:`ResumeState`. ``universal`` forces (True)
     or forbids (False) the universal conversion; by default it is used when the world size
     changed (not for sequence- or tensor-parallel runs: ``layout`` must match the saved one).
     ``node_local``: each node reads its own copy of ``load_dir``."""
-    layout = dict(layout or {})
-    samples_per_step = layout.pop("samples_per_step", None)
+    layout = layout or RunLayout()
     tag = pick_tag(load_dir, tag, node_local)
     if tag is None:
         return None, {}, None
@@ -113,13 +117,13 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None,
     if path is None:
         raise CheckpointFileError(f"load_dir={load_dir!r}: DeepSpeed could not load tag {tag!r}; "
                                   f"check {ckpt_dir}")
-    position = progress(engine, dataloader, samples_per_step)  # in this run's loader
+    position = progress(engine, dataloader, layout.samples_per_step)  # in this run's loader
     if dataloader is not None:
         sampler_of(dataloader).load_state_dict({"epoch": position["epoch"],
                                                 "consumed": position["epoch_consumed"]})
     if not restore_rng(ckpt_dir, dist.get_rank()):
-        print(f"[rank {dist.get_rank()}] {ckpt_dir} has no RNG state for this rank (saved at "
-              f"{meta['world_size']} ranks); its RNG streams continue from the seed", flush=True)
+        log.warning("%s has no RNG state for this rank (saved at %s ranks); its RNG streams "
+                    "continue from the seed", ckpt_dir, meta["world_size"])
     resume = ResumeState(tag, position["global_step"], position["consumed_samples"],
                          position["epoch"], position["epoch_consumed"])
     return ckpt_dir, dict((state or {}).get(CLIENT_KEY, {})), resume

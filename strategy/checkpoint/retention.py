@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from strategy.atomic_fs import remove_dir
+from strategy.checkpoint.config import Retention
 from strategy.checkpoint.layout import STAGING, Entry, scan
 
 GIB = 1024**3
@@ -35,11 +36,10 @@ def select_for_deletion(entries: list[Entry], max_num: int, max_bytes: float, ke
     return doomed
 
 
-def apply_retention(save_dir: str, max_num: int, max_mem_gb: float, keep_best: int = 0,
-                    higher_is_better: bool = False) -> list[str]:
+def apply_retention(save_dir: str, retention: Retention) -> list[str]:
     """Delete what :func:`select_for_deletion` picks; returns the deleted names. Rank 0 only."""
-    doomed = select_for_deletion(scan(save_dir), max_num, max_mem_gb * GIB, keep_best,
-                                 higher_is_better)
+    doomed = select_for_deletion(scan(save_dir), retention.max_num, retention.max_mem * GIB,
+                                 retention.keep_best, retention.higher_is_better)
     for entry in doomed:
         for path in entry.paths:
             remove_dir(path, os.path.join(save_dir, STAGING))

@@ -18,14 +18,17 @@ from typing import Any, Callable
 
 from strategy import dist
 from strategy.atomic_fs import publish_dir, write_file, write_json
-from strategy.checkpoint.config import validate_limits
-from strategy.checkpoint.layout import LATEST, META, STAGING
+from strategy.checkpoint.config import Retention
+from strategy.checkpoint.layout import LATEST, META, STAGING, RunLayout
 from strategy.checkpoint.progress import check_boundary, progress
 from strategy.checkpoint.retention import apply_retention
 from strategy.checkpoint.rng_state import capture_rng, save_rng
 from strategy.checkpoint.tags import validate_tag
 from strategy.errors import SaveError
 from strategy.internals import engine_counters
+from strategy.log import get_logger
+
+log = get_logger("checkpoint")
 
 CLIENT_KEY = "strategy_client_state"  # the caller's client_state, apart from DeepSpeed's own keys
 
@@ -91,23 +94,23 @@ def _write_files(engine: Any, staging: str, tag: str, client_state: dict | None,
 
 
 def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None,
-                    client_state: dict | None = None, max_num: int = 3, max_mem: float = 1000,
-                    metric: float | None = None, keep_best: int = 0, higher_is_better: bool = False,
+                    client_state: dict | None = None, retention: Retention | None = None,
+                    metric: float | None = None,
                     write_metadata: Callable[[str], None] | None = None,
-                    layout: dict | None = None, node_local: bool = False,
+                    layout: RunLayout | None = None, node_local: bool = False,
                     rank_files: Callable[[str, int], None] | None = None) -> str:
-    """Save on every rank (collective); returns the checkpoint's directory. ``write_metadata(dir)``
-    runs on the publisher before publishing (the facade writes the model's config.json there);
-    ``layout`` (parallel sizes, samples per step) is recorded for the resume to check. The
+    """Save on every rank (collective); returns the checkpoint's directory. ``retention`` (default
+    ``Retention()``) picks what stays once it is published, ``metric`` ranks it for
+    ``keep_best``. ``write_metadata(dir)`` runs on the publisher before publishing (the facade
+    writes the model's config.json there); ``layout`` is recorded for the resume to check. The
     publisher is rank 0, or with ``node_local`` each node's local rank 0 for its own copy;
     retention runs once every publisher has published. ``rank_files(dir, rank)`` writes this
     rank's own extra files (the EMA weights' part) beside DeepSpeed's."""
     on_publisher = _on_node_writers if node_local else dist.on_rank_0
-    layout = dict(layout or {})
-    samples_per_step = layout.pop("samples_per_step", None)
+    retention = retention or Retention()
+    layout = layout or RunLayout()
     rng = capture_rng()  # before anything here could draw a random number
     tag = validate_tag(f"global_step{engine_counters(engine)[0]}" if tag is None else tag)
-    validate_limits(max_num, max_mem, keep_best)
     check_boundary(engine)
     staging = os.path.join(save_dir, STAGING)
     on_publisher(_reset_staging, staging)  # drops what a killed save left
@@ -123,12 +126,11 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None,
     meta = {"format": 1, "tag": tag, "saved_at": time.time(), "world_size": dist.get_world_size(),
             "zero_stage": int(engine.zero_optimization_stage()),
             "metric": None if metric is None else float(metric),
-            "param_groups": _param_groups(engine), **layout,
+            "param_groups": _param_groups(engine), **layout.recorded(),
             "storage": "node_local" if node_local else "shared", "nodes": dist.get_num_nodes(),
-            **progress(engine, samples_per_step=samples_per_step)}
+            **progress(engine, samples_per_step=layout.samples_per_step)}
     final = on_publisher(publish, save_dir, staged, tag, meta)
-    deleted = on_publisher(apply_retention, save_dir, max_num, max_mem, keep_best,
-                           higher_is_better)
+    deleted = on_publisher(apply_retention, save_dir, retention)
     if deleted:
-        dist.print0(f"checkpoint retention deleted {deleted} from {save_dir}")
+        log.info("retention deleted %s from %s", deleted, save_dir)
     return final

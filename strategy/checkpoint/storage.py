@@ -8,7 +8,8 @@ and a resume picks the newest checkpoint complete on every node.
 
 ``find_storage`` tells them apart at start: global rank 0 writes a token into the directory and
 every node looks for it. A setting can force either mode; a setting the directory contradicts is a
-one-line error on every rank before training.
+one-line error on every rank before training. ``CheckpointStorage`` is the policy a run holds:
+each directory's kind found once, and every directory of the run's kind.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ import time
 import uuid
 
 from strategy import dist
-from strategy.checkpoint.config import STORAGE_MODES
+from strategy.checkpoint.config import STORAGE_MODES, CheckpointConfig
 from strategy.errors import fail
+from strategy.log import get_logger
+
+log = get_logger("checkpoint")
 
 _LOOKS_S = (0.0, 0.5, 1.0, 2.0)  # a network filesystem may show a new file a moment late
 
@@ -78,13 +82,47 @@ def find_storage(path: str, setting: str = "auto", name: str = "checkpoint_stora
         fail(name, setting, f"{path} is {found.replace('_', '-')} storage (global rank 0's file "
              f"was seen by {sum(seen)} of {nodes} nodes); set --{name} {found} or auto")
     if found == "shared":
-        dist.print0(f"[checkpoint] {path}: shared by all {nodes} nodes; global rank 0 publishes")
+        log.info("%s: shared by all %d nodes; global rank 0 publishes", path, nodes)
     else:
-        dist.print0(f"[checkpoint] {path}: node-local on each of {nodes} nodes; each node's "
-                    "local rank 0 publishes its own ranks' files")
+        log.info("%s: node-local on each of %d nodes; each node's local rank 0 publishes its own "
+                 "ranks' files", path, nodes)
     return found
 
 
 def deepspeed_section(mode: str) -> dict:
     """The DeepSpeed config that makes each node's local rank 0 write the model states too."""
     return {"checkpoint": {"use_node_local_storage": mode == "node_local"}}
+
+
+class CheckpointStorage:
+    """The storage kind of each checkpoint directory a run uses, found once per directory.
+
+    ``ckpt_path`` is the directory DeepSpeed is configured for; any other directory a run saves to
+    or loads from must be of the same kind."""
+
+    def __init__(self, config: CheckpointConfig) -> None:
+        self.config = config
+        self._found: dict[str, str] = {}  # absolute directory -> "shared" | "node_local"
+
+    def kind(self, directory: str | None = None) -> str:
+        """Collective (the first time per directory): ``"shared"`` or ``"node_local"`` for
+        ``directory`` (default ``ckpt_path``); a directory of another kind than ``ckpt_path``
+        is refused."""
+        path = os.path.abspath(directory or self.config.ckpt_path)
+        if path not in self._found:
+            self._found[path] = find_storage(path, self.config.checkpoint_storage)
+        main = self._found.get(os.path.abspath(self.config.ckpt_path))
+        if main is not None and self._found[path] != main:
+            fail("save_dir", directory, f"it is {self._found[path]} storage but ckpt_path "
+                 f"{self.config.ckpt_path} is {main} (DeepSpeed is configured for that); "
+                 "use a directory of the same kind")
+        return self._found[path]
+
+    def is_node_local(self, directory: str | None = None) -> bool:
+        """Collective, as ``kind``."""
+        return self.kind(directory) == "node_local"
+
+    def deepspeed_section(self) -> dict:
+        """DeepSpeed's ``checkpoint`` section for ``ckpt_path``'s kind, once any directory's
+        kind is known (``setup_distributed`` finds it); before that, nothing."""
+        return deepspeed_section(self.kind()) if self._found else {}

@@ -3,9 +3,10 @@ model, PEFT adapter, or merged), and ``python -m strategy.export`` turns a DeepS
 into the same directory offline, reading its files tensor by tensor (``zero_reader``: mapped
 ``weights_only`` loads, DeepSpeed's file layout) into the same shard plan and writer.
 
-May import: ``strategy.errors``, ``strategy.internals``, ``strategy.dist``, ``strategy.atomic_fs``,
-``strategy.dtypes``, ``strategy.model``, ``strategy.checkpoint`` (tags and safe loading, for the
-offline export). Nothing here trains or holds optimizer state.
+May import: ``strategy.errors``, ``strategy.internals``, ``strategy.log``, ``strategy.dist``,
+``strategy.atomic_fs``, ``strategy.dtypes``, ``strategy.model``, ``strategy.parallel`` (which
+parameters AutoTP split), ``strategy.checkpoint`` (tags and safe loading, for the offline export).
+Nothing here trains or holds optimizer state.
 """
 
 from strategy.export.metadata import save_model_metadata

@@ -25,7 +25,8 @@ from strategy.export.memory import trim_heap
 from strategy.export.metadata import write_export_metadata
 from strategy.export.shards import ShardPlan, ShardWriter
 from strategy.export.units import Unit, plan_export
-from strategy.internals import is_tensor_parallel_param, is_zero3_param, tensor_parallel_gathered
+from strategy.internals import is_zero3_param, tensor_parallel_gathered
+from strategy.parallel.tensor import is_tensor_parallel_param
 
 
 def save_model(model: nn.Module, tokenizer: Any, output_dir: str | Path,

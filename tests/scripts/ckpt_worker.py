@@ -83,6 +83,7 @@ def instrument(step_of) -> None:
 def main(ckpt_dir: str, max_saves: int) -> None:
     from transformers import LlamaConfig
 
+    from strategy.checkpoint import Retention
     from tests.support.helpers import make_strategy
     from tests.support.models import VOCAB, token_batches
 
@@ -118,7 +119,8 @@ def main(ckpt_dir: str, max_saves: int) -> None:
         step, digest = engine.global_steps, weights_digest(engine)
         print(f"SAVING {step}", flush=True)
         t0 = time.perf_counter()
-        s.save_ckpt(engine, ckpt_dir, client_state={"step": step, "digest": digest}, max_num=2)
+        s.save_ckpt(engine, ckpt_dir, client_state={"step": step, "digest": digest},
+                    retention=Retention(max_num=2))
         print(f"SAVED {step} {time.perf_counter() - t0:.3f}", flush=True)
     s.close()
     print("DONE", flush=True)
