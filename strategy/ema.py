@@ -23,7 +23,15 @@ from strategy.internals import local_partition
 
 
 class EMA:
-    """The moving average of ``module``'s trainable parameters (starting from their values now)."""
+    """The moving average of ``module``'s trainable parameters (starting from their values now).
+
+    Args:
+        module: the model (or engine) being trained.
+        beta: the decay per step, in (0, 1).
+
+    Raises:
+        ConfigError: ``beta`` is outside (0, 1).
+    """
 
     def __init__(self, module: nn.Module, beta: float) -> None:
         if not 0 < beta < 1:
@@ -54,14 +62,37 @@ class EMA:
                     local_partition(p).copy_(saved[name])
 
     def file(self, ckpt_dir: str, rank: int) -> str:
+        """Where a rank's part lives in a checkpoint.
+
+        Args:
+            ckpt_dir: the checkpoint (tag) directory.
+            rank: the rank whose part it is.
+
+        Returns:
+            The path of ``ema_<rank>.safetensors``.
+        """
         return os.path.join(ckpt_dir, f"ema_{rank}.safetensors")
 
     def save(self, ckpt_dir: str, rank: int) -> None:
+        """Write this rank's part into a checkpoint.
+
+        Args:
+            ckpt_dir: the checkpoint (tag) directory.
+            rank: this rank.
+        """
         tensors = {name: t.contiguous().cpu() for name, t in self.shadow.items()}
         save_file(tensors, self.file(ckpt_dir, rank), metadata={"beta": repr(self.beta)})
 
     def load(self, ckpt_dir: str, rank: int) -> None:
-        """This rank's part from a checkpoint saved with the same parameters and world size."""
+        """Read this rank's part from a checkpoint saved with the same parameters and world size.
+
+        Args:
+            ckpt_dir: the checkpoint (tag) directory.
+            rank: this rank.
+
+        Raises:
+            CheckpointFileError: the part is missing, or a weight is missing or shaped otherwise.
+        """
         path = self.file(ckpt_dir, rank)
         if not os.path.isfile(path):
             raise CheckpointFileError(f"{path}: no EMA weights for rank {rank} (saved without "

@@ -43,5 +43,14 @@ class NonFiniteLossError(StrategyError, FloatingPointError):
 
 
 def fail(name: str, value: Any, fix: str) -> NoReturn:
-    """Raise the one-line ``ConfigError`` shape: ``name=value is invalid: fix``."""
+    """Raise the one-line ``ConfigError`` shape: ``name=value is invalid: fix``.
+
+    Args:
+        name: the setting's name.
+        value: its bad value (shown with ``repr``).
+        fix: what to do instead.
+
+    Raises:
+        ConfigError: always.
+    """
     raise ConfigError(f"{name}={value!r} is invalid: {fix}")

@@ -81,7 +81,15 @@ def _flag_kwargs(field: dataclasses.Field, tp: Any) -> dict:
 
 def add_config_args(parser: argparse.ArgumentParser, *classes: type) -> argparse.ArgumentParser:
     """Add ``--config``, ``--local_rank`` and one flag per field; defaults stay None so explicit
-    flags can be told from unset ones."""
+    flags can be told from unset ones.
+
+    Args:
+        parser: the parser to add to; adding the same classes twice is an argparse error.
+        *classes: config dataclasses whose fields become flags (``--<field>``).
+
+    Returns:
+        ``parser``, for chaining.
+    """
     try:
         parser.add_argument("--config", default=None,
                             help="YAML file of settings (CLI flags override it)")
@@ -97,6 +105,17 @@ def add_config_args(parser: argparse.ArgumentParser, *classes: type) -> argparse
 
 
 def read_yaml(path: str) -> dict:
+    """Read a YAML settings file.
+
+    Args:
+        path: the file's path.
+
+    Returns:
+        Its top-level mapping (empty for an empty file).
+
+    Raises:
+        ConfigError: the file is missing, not YAML, or not a mapping at the top level.
+    """
     if not os.path.isfile(path):
         raise ConfigError(f"config={path!r} is invalid: no such file; pass an existing YAML path")
     with open(path) as fh:
@@ -112,8 +131,19 @@ def read_yaml(path: str) -> dict:
 
 
 def build_configs(classes: Sequence[type], values: dict, source: str = "config") -> list:
-    """Split a flat mapping across the dataclasses (each validates itself on construction);
-    unknown keys fail with a suggestion."""
+    """Split a flat mapping across the dataclasses (each validates itself on construction).
+
+    Args:
+        classes: the config dataclasses, in the order of the result.
+        values: ``{field: value}`` for fields of any of them; values are coerced to field types.
+        source: where the values came from, named in errors (e.g. the YAML path).
+
+    Returns:
+        One instance per class, in order.
+
+    Raises:
+        ConfigError: a key is no field (the message suggests a close one), or a value is invalid.
+    """
     known = {name: cls for cls in classes for name in _fields(cls)}
     for key in values:
         if key not in known:
@@ -127,7 +157,19 @@ def build_configs(classes: Sequence[type], values: dict, source: str = "config")
 def parse_configs(classes: Sequence[type], argv: Sequence[str] | None = None,
                   parser: argparse.ArgumentParser | None = None) -> tuple[list, argparse.Namespace]:
     """Parse ``argv`` into instances of ``classes`` (defaults < YAML < flags), validated. The
-    caller's own flags (added to ``parser`` beforehand) may also be set from the YAML file."""
+    caller's own flags (added to ``parser`` beforehand) may also be set from the YAML file.
+
+    Args:
+        classes: the config dataclasses to build.
+        argv: the command line without the program name; None reads ``sys.argv``.
+        parser: a parser holding the caller's own flags; None starts an empty one.
+
+    Returns:
+        The config instances (in the order of ``classes``) and the parsed namespace.
+
+    Raises:
+        ConfigError: from ``read_yaml`` or ``build_configs``.
+    """
     parser = add_config_args(parser or argparse.ArgumentParser(), *classes)
     namespace = parser.parse_args(argv)
     config_path = getattr(namespace, CONFIG_FLAG)

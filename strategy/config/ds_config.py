@@ -8,7 +8,15 @@ from strategy.config.strategy_config import StrategyConfig
 
 
 def deep_merge(base: dict, override: dict) -> dict:
-    """Return ``base`` with ``override`` merged in recursively (override wins)."""
+    """Merge ``override`` into a copy of ``base``, recursively (override wins).
+
+    Args:
+        base: the mapping to start from; left unchanged.
+        override: the mapping whose values win; nested dicts merge key by key.
+
+    Returns:
+        A new dict; neither argument is modified.
+    """
     out = copy.deepcopy(base)
     for key, value in override.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
@@ -37,7 +45,18 @@ def _batch(cfg: StrategyConfig, world_size: int, micro: int) -> dict:
 
 
 def build_ds_config(cfg: StrategyConfig, world_size: int) -> dict:
-    """The DeepSpeed training config: ZeRO, offload, precision, clipping, batch sizes, overrides."""
+    """The DeepSpeed training config: ZeRO, offload, precision, clipping, batch sizes, overrides.
+
+    Args:
+        cfg: the validated strategy config.
+        world_size: the number of ranks.
+
+    Returns:
+        The config dict for ``deepspeed.initialize``, ``ds_config_overrides`` merged in last.
+
+    Raises:
+        ConfigError: the world size does not fit ``cfg``'s parallel sizes or batch sizes.
+    """
     cfg.validate_world(world_size)
     zero = {
         "stage": cfg.zero_stage,
@@ -75,8 +94,15 @@ def build_ds_config(cfg: StrategyConfig, world_size: int) -> dict:
 
 def build_eval_ds_config(cfg: StrategyConfig, world_size: int) -> dict:
     """Config for inference-only engines (e.g. a DPO reference): ZeRO-3 if training is ZeRO-3 or
-    ``ref_offload`` keeps them on the CPU (parameters fetched layer by layer per forward), else
-    0."""
+    ``ref_offload`` keeps them on the CPU (parameters fetched layer by layer per forward), else 0.
+
+    Args:
+        cfg: the validated strategy config.
+        world_size: the number of ranks.
+
+    Returns:
+        The config dict; of the overrides only the ``zero_optimization.stage3_*`` keys apply.
+    """
     stage = 3 if cfg.zero_stage == 3 or cfg.ref_offload else 0
     offload = cfg.param_offload or cfg.ref_offload
     zero = {"stage": stage,

@@ -9,7 +9,16 @@ from strategy.errors import fail
 
 
 def doc(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
-    """A dataclass field with a one-line help text (shown by ``--help``)."""
+    """A dataclass field with a one-line help text (shown by ``--help``).
+
+    Args:
+        text: the help text, one line.
+        default: the default; a dict or list is copied for each instance.
+        **kw: more ``dataclasses.field`` arguments.
+
+    Returns:
+        The ``dataclasses.field`` to assign to the class attribute.
+    """
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=lambda: type(default)(default),
                                  metadata={"help": text}, **kw)

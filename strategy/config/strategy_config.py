@@ -103,15 +103,38 @@ class StrategyConfig:
         return self.sequence_parallel_size * self.tensor_parallel_size
 
     def data_parallel_size(self, world_size: int) -> int:
-        """Ranks that see different data: the world over the model-parallel group size."""
+        """Ranks that see different data: the world over the model-parallel group size.
+
+        Args:
+            world_size: the number of ranks.
+
+        Returns:
+            The number of data-parallel ranks.
+        """
         return world_size // self.model_parallel_size
 
     def data_parallel_rank(self, rank: int) -> int:
-        """Model-parallel groups are contiguous ranks (DeepSpeed's Ulysses and AutoTP layouts)."""
+        """The data-parallel rank of a global rank; model-parallel groups are contiguous ranks
+        (DeepSpeed's Ulysses and AutoTP layouts).
+
+        Args:
+            rank: the global rank.
+
+        Returns:
+            The index of its model-parallel group.
+        """
         return rank // self.model_parallel_size
 
     def validate_world(self, world_size: int) -> None:
-        """Checks that need the number of ranks (known from the launcher's env before init)."""
+        """Checks that need the number of ranks (known from the launcher's env before init).
+
+        Args:
+            world_size: the number of ranks.
+
+        Raises:
+            ConfigError: the parallel sizes do not divide the world, or the batch size does not
+                divide by micro batch x data-parallel ranks.
+        """
         group = self.model_parallel_size
         if world_size % group:
             sequence = self.sequence_parallel_size > 1
@@ -126,6 +149,13 @@ class StrategyConfig:
                  f"{self.micro_train_batch_size} x {dp} = {per_step}")
 
     def accumulation_steps(self, world_size: int) -> int:
-        """Micro-batches each rank runs per optimizer step."""
+        """Micro-batches each rank runs per optimizer step.
+
+        Args:
+            world_size: the number of ranks.
+
+        Returns:
+            ``train_batch_size`` over micro batch x data-parallel ranks.
+        """
         per_micro_step = self.micro_train_batch_size * self.data_parallel_size(world_size)
         return self.train_batch_size // per_micro_step

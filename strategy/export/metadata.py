@@ -43,7 +43,13 @@ def write_export_metadata(module: nn.Module, tokenizer: Any, out: Path, adapter_
 def save_model_metadata(model: nn.Module, directory: str | Path, tokenizer: Any = None) -> None:
     """What ``python -m strategy.export`` needs beside a DeepSpeed checkpoint: the base model's
     ``config.json`` (+ ``generation_config.json``), ``adapter_config.json`` for a PEFT model, the
-    tokenizer's files. No collectives: call it on the rank that writes (rank 0)."""
+    tokenizer's files. No collectives: call it on the rank that writes (rank 0).
+
+    Args:
+        model: the trained model or its DeepSpeed engine (PEFT or not).
+        directory: where to write; created if missing.
+        tokenizer: saved beside the config when given.
+    """
     module = getattr(model, "module", model)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

@@ -142,7 +142,25 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None
                       max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None,
                       merge_lora: bool = False, config_dir: str | Path | None = None) -> Path:
     """Write ``out_dir`` from a DeepSpeed checkpoint; weights are fp32 unless ``dtype`` says
-    otherwise."""
+    otherwise.
+
+    Args:
+        ckpt_dir: the checkpoint directory (``save_ckpt``'s ``save_dir``).
+        out_dir: the HF directory to create; replaced atomically if it exists.
+        tag: the checkpoint to export; None takes the one ``latest`` names.
+        max_shard_size: bytes per safetensors shard, or a size such as ``"5GB"``.
+        dtype: dtype of the written weights; None keeps the master weights' fp32.
+        merge_lora: fold LoRA adapters into the base weights instead of writing the adapter.
+        config_dir: where ``config.json`` is; None looks in the tag's folder, then ``ckpt_dir``.
+
+    Returns:
+        ``out_dir`` as a ``Path``.
+
+    Raises:
+        ConfigError: no complete checkpoint, no ``config.json``, or a checkpoint that does not
+            match it.
+        CheckpointFileError: a checkpoint file is damaged or of a kind this export cannot read.
+    """
     ckpt_dir = Path(ckpt_dir)
     tag = find_tag(ckpt_dir, tag)
     meta_dir = find_metadata_dir(ckpt_dir, tag, Path(config_dir) if config_dir else None)

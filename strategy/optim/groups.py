@@ -28,7 +28,15 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def split_decay_params(model: nn.Module) -> tuple[Named, Named]:
-    """(decay, no_decay) lists of (name, param); trainable params only, each param once."""
+    """Split the trainable parameters into those with and without weight decay.
+
+    Args:
+        model: a module or DeepSpeed engine.
+
+    Returns:
+        (decay, no_decay) lists of (name, param); biases and norm weights have no decay, each
+        parameter appears once.
+    """
     decay, no_decay, seen = [], [], set()
     for mod_name, module in unwrap_model(model).named_modules():
         norm = is_norm_module(mod_name, module)
@@ -43,7 +51,18 @@ def split_decay_params(model: nn.Module) -> tuple[Named, Named]:
 
 
 def get_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Optimizer groups; an empty group is dropped (it breaks DeepSpeed's LR scheduler)."""
+    """Optimizer groups; an empty group is dropped (it breaks DeepSpeed's LR scheduler).
+
+    Args:
+        model: a module or DeepSpeed engine.
+        weight_decay: the decay of the decayed group.
+
+    Returns:
+        Groups of ``params``, ``weight_decay`` and ``names`` (the parameters' names).
+
+    Raises:
+        ValueError: no parameter requires a gradient.
+    """
     decay, no_decay = split_decay_params(model)
     groups = [
         {"params": [p for _, p in decay], "weight_decay": weight_decay,

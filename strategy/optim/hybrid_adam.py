@@ -39,7 +39,22 @@ def _check_args(lr: float, betas: tuple[float, float], eps: float, weight_decay:
 class HybridAdam(torch.optim.Optimizer):
     """Adam(W) that steps each parameter where it lives; a drop-in for ``torch.optim.AdamW``
     (``adamw_mode=True``) or ``torch.optim.Adam`` with L2 added to the gradient
-    (``adamw_mode=False``)."""
+    (``adamw_mode=False``).
+
+    Args:
+        params: parameters or parameter groups, as for any torch optimizer.
+        lr: learning rate.
+        bias_correction: correct the moments for their zero start.
+        betas: decay rates of the first and second moments.
+        eps: added to the denominator.
+        weight_decay: decoupled (``adamw_mode``) or L2 weight decay.
+        adamw_mode: AdamW's decoupled weight decay; False adds it to the gradient.
+        nvme_offload_fraction: share of the CPU moments kept in files between steps.
+        nvme_offload_dir: directory of those files; None takes a temporary one.
+
+    Raises:
+        ConfigError: a hyperparameter or the offload fraction is out of range.
+    """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -113,6 +128,17 @@ class HybridAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> Any:
+        """One Adam step for every parameter with a gradient, where the parameter lives.
+
+        Args:
+            closure: re-evaluates the model and returns the loss; optional.
+
+        Returns:
+            The closure's loss, or None without one.
+
+        Raises:
+            RuntimeError: a gradient is sparse.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -196,7 +222,11 @@ class HybridAdam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """torch's state dict; moments kept in files are read back into it (the live state stays on
-        file)."""
+        file).
+
+        Returns:
+            ``{"state": ..., "param_groups": ...}`` with fp32 moments of every parameter.
+        """
         out = super().state_dict()
         self._plan_offload()
         if self.state_files is not None:
@@ -208,8 +238,12 @@ class HybridAdam(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's loader casts moments to the parameter dtype; put them back in ours (fp32 on
-        CPU)."""
+        """Load a state dict, keeping our moment dtypes (fp32 on CPU; torch's loader would cast
+        them to the parameter dtype) and writing offloaded moments to their files.
+
+        Args:
+            state_dict: as returned by ``state_dict``, from any HybridAdam over the same groups.
+        """
         super().load_state_dict(state_dict)
         self._plan_offload()
         saved = state_dict["state"]

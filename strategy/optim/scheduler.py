@@ -15,7 +15,18 @@ from strategy.optim.config import COSINE_ANNEALING_WARMUP
 class CosineAnnealingWarmupLR(LRScheduler):
     """ColossalAI's schedule. Step t < W: ``base * (t + 1) / W`` (the peak is reached at t = W - 1);
     t >= W: ``eta_min + (base - eta_min) * (1 + cos(pi * (t - W) / (T - W))) / 2``; t >= T stays at
-    eta_min."""
+    eta_min.
+
+    Args:
+        optimizer: the optimizer whose groups' lr it sets.
+        total_steps: T, the optimizer steps of the whole run.
+        warmup_steps: W, the steps of linear warmup.
+        eta_min: the final learning rate.
+        last_epoch: the last step taken; -1 starts fresh.
+
+    Raises:
+        ValueError: ``total_steps`` < 1, ``warmup_steps`` outside 0..T, or ``eta_min`` < 0.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
                  eta_min: float = 0.0, last_epoch: int = -1) -> None:
@@ -30,8 +41,15 @@ class CosineAnnealingWarmupLR(LRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def lr_at(self, base_lr: float, t: int) -> float:
-        """The closed-form lr of step ``t`` (the value in effect for the t-th optimizer step, from
-        0)."""
+        """The closed-form lr of step ``t`` (the value in effect for the t-th optimizer step).
+
+        Args:
+            base_lr: the group's peak learning rate.
+            t: the step, from 0.
+
+        Returns:
+            The learning rate.
+        """
         warmup, total = self.warmup_steps, self.total_steps
         if t < warmup:
             return base_lr * (t + 1) / warmup
@@ -41,6 +59,11 @@ class CosineAnnealingWarmupLR(LRScheduler):
         return self.eta_min + (base_lr - self.eta_min) * (1 + cosine) / 2
 
     def get_lr(self) -> list[float]:
+        """The learning rates of the current step (torch's ``LRScheduler`` hook).
+
+        Returns:
+            One learning rate per parameter group.
+        """
         return [self.lr_at(base, self.last_epoch) for base in self.base_lrs]
 
 
@@ -60,7 +83,22 @@ def create_scheduler(optimizer: torch.optim.Optimizer, name: str = "cosine_with_
                      num_training_steps: int, num_warmup_steps: int | None = None,
                      warmup_ratio: float | None = None, min_lr_ratio: float = 0.1) -> LRScheduler:
     """A per-optimizer-step schedule. ``cosine_with_min_lr`` and ``cosine_annealing_warmup`` decay
-    to ``min_lr_ratio`` x peak (the latter's eta_min is taken from the first group's lr)."""
+    to ``min_lr_ratio`` x peak (the latter's eta_min is taken from the first group's lr).
+
+    Args:
+        optimizer: the optimizer to schedule.
+        name: ``cosine_annealing_warmup`` or a transformers scheduler name.
+        num_training_steps: optimizer steps of the whole run.
+        num_warmup_steps: warmup steps; give this or ``warmup_ratio``, not both.
+        warmup_ratio: warmup as a fraction of ``num_training_steps``.
+        min_lr_ratio: final lr as a fraction of the peak (cosine schedules).
+
+    Returns:
+        The scheduler, to step once per optimizer step.
+
+    Raises:
+        ValueError: a step count is out of range, or both warmup arguments are given.
+    """
     if num_training_steps < 1:
         raise ValueError(f"num_training_steps={num_training_steps} is invalid: use >= 1")
     warmup = warmup_steps(num_training_steps, num_warmup_steps, warmup_ratio)
