@@ -3,6 +3,7 @@ resume on another world size, on the real DeepSpeed engine."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -42,6 +43,23 @@ class IndexedTokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "idx": i}
 
 
+@contextlib.contextmanager
+def only_weights_only_loads():
+    """Fails any ``torch.load`` that is not ``weights_only`` inside the block: DeepSpeed's own
+    loads must all go through the scoped safe load, never reach torch's with pickles allowed."""
+    original = torch.load
+
+    def guarded(*args, **kwargs):
+        assert kwargs.get("weights_only") is True, f"torch.load{args[:1]} without weights_only"
+        return original(*args, **kwargs)
+
+    torch.load = guarded
+    try:
+        yield
+    finally:
+        torch.load = original
+
+
 def train(
     stage: int,
     ckpt_dir: str,
@@ -69,7 +87,8 @@ def train(
     loader = s.setup_dataloader(IndexedTokens())
     state = {}
     if resume:
-        path, state = s.load_ckpt(engine, ckpt_dir, dataloader=loader)
+        with only_weights_only_loads():
+            path, state = s.load_ckpt(engine, ckpt_dir, dataloader=loader)
         assert path is not None, f"nothing to resume in {ckpt_dir}"
     rs = s.resume_state
     epoch, consumed = (rs.epoch, rs.epoch_consumed) if rs else (0, 0)

@@ -1,5 +1,6 @@
-"""Every private or undocumented DeepSpeed/torch access in ``strategy.internals``, exercised on the
-real libraries: an upgrade that moves one of them fails here, not deep inside a training run."""
+"""Every private or undocumented DeepSpeed/torch/transformers access in ``strategy.internals``,
+exercised on the real libraries: an upgrade that moves one of them fails here, not deep inside a
+training run."""
 
 from __future__ import annotations
 
@@ -13,11 +14,38 @@ import torch
 from torch import nn
 
 from strategy import internals
+from strategy.internals import deepspeed_files as files
 from tests.support.helpers import make_strategy
 from tests.support.models import tiny_llama
 
 
-def engine_internals() -> dict:
+def _saved_files(engine, directory: str) -> dict:
+    """DeepSpeed's own save of ``engine``: each file's name and top-level keys (optimizer files:
+    their optimizer state's keys)."""
+    import torch.distributed as torch_dist
+
+    engine.save_checkpoint(directory, "t", save_latest=False)
+    torch_dist.barrier()
+    out = {}
+    for name in sorted(os.listdir(os.path.join(directory, "t"))):
+        state = torch.load(os.path.join(directory, "t", name), weights_only=False)
+        state = state.get(files.OPTIMIZER_STATE_DICT, state)
+        out[name] = set(state)
+    return out
+
+
+def _ulysses_fits_a_batch() -> tuple:
+    import torch.distributed as torch_dist
+
+    ulysses = internals.new_ulysses(lambda *a, **k: None, 2, 4, 8, 2, 1, torch_dist.group.WORLD)
+    internals.fit_ulysses_to_batch(ulysses, 3)
+    return (ulysses.batch_size, ulysses.core_attn_implementation,
+            *(getattr(ulysses, n)[1] for n in ("required_query_shape",
+                                              "required_key_value_shape",
+                                              "required_context_shape")))
+
+
+def engine_internals(tmp: str) -> dict:
     """One 2-rank body for the accesses that need an engine: ZeRO-0 fp32 and ZeRO-3."""
     out = {}
     s0 = make_strategy(0, micro=2, total=8)  # 2 micro-steps per optimizer step
@@ -35,6 +63,8 @@ def engine_internals() -> dict:
     store = internals.default_store()
     store.set(f"internals_probe/{s0.rank}", "x")
     out["store"] = store.get(f"internals_probe/{1 - s0.rank}").decode()
+    out["ulysses"] = _ulysses_fits_a_batch()
+    out["zero0_files"] = _saved_files(engine, os.path.join(tmp, "zero0"))
     s0.close()
 
     s3 = make_strategy(3)
@@ -45,12 +75,31 @@ def engine_internals() -> dict:
     out["zero3"] = (internals.is_zero3_param(weight), internals.full_shape(weight),
                     internals.full_numel(weight), internals.local_partition(weight).numel(),
                     tuple(weight.shape))
+    out["zero3_files"] = _saved_files(engine, os.path.join(tmp, "zero3"))
     s3.close()
     return out
 
 
-def test_engine_internals(ranks):
-    out = ranks.run(engine_internals)
+def _check_file_layout(zero0: dict, zero3: dict) -> None:
+    """The names and keys ``export.zero_reader`` reads, as DeepSpeed writes them."""
+    assert set(zero0) == {files.MODEL_STATES_FILE}, zero0
+    assert {files.MODULE, files.PARAM_SHAPES, files.BUFFER_NAMES, files.SHARED_PARAMS,
+            files.MP_WORLD_SIZE} <= zero0[files.MODEL_STATES_FILE]
+    optim = {n: files.optim_file_ranks(n) for n in zero3 if files.optim_file_ranks(n)}
+    model = {n: files.zero3_model_file_ranks(n) for n in zero3 if files.zero3_model_file_ranks(n)}
+    assert sorted(optim.values()) == sorted(model.values()) == [(0, 0), (1, 0)], zero3
+    assert set(zero3) == set(optim) | set(model)
+    for name in optim:
+        assert {files.ZERO_STAGE, files.PARTITION_COUNT, files.FP32_FLAT_GROUPS} <= zero3[name]
+    for name in model:
+        assert {files.MODULE, files.PARAM_SHAPES, files.BUFFER_NAMES} <= zero3[name]
+    assert not any(files.is_pipeline_or_moe_file(n) for n in (*zero0, *zero3))
+    assert files.optim_file_ranks("bf16_zero_pp_rank_3_mp_rank_01_optim_states.pt") == (3, 1)
+    assert files.optim_file_ranks(files.MODEL_STATES_FILE) is None
+
+
+def test_engine_internals(ranks, tmp_path):
+    out = ranks.run(engine_internals, str(tmp_path))
     for got in out:
         assert got["zero0_measures_norm"] is False and got["zero3_measures_norm"] is True
         assert got["counters_after_one_micro"] == (0, 0, 1)  # 1 of 2 micro-steps: no step yet
@@ -60,6 +109,8 @@ def test_engine_internals(ranks):
         flag, shape, numel, local, empty = got["zero3"]
         assert flag and shape == (96, 32) and numel == 96 * 32 and empty == (0,)
         assert local == numel // 2, "each of 2 ranks holds half of the embedding"
+        assert got["ulysses"] == (3, "sdpa", 3, 3, 3)
+    _check_file_layout(out[0]["zero0_files"], out[0]["zero3_files"])
 
 
 def test_universal_args_match_deepspeeds_parser(monkeypatch):
@@ -116,21 +167,69 @@ class _Payload:
 
 
 def test_weights_only_load_refuses_a_pickle_payload(tmp_path):
+    """DeepSpeed's checkpoint engine loads through the scoped ``weights_only`` load; ``torch.load``
+    itself stays as it was."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
     marker, path = tmp_path / "pwned", tmp_path / "evil.pt"
     torch.save({"module": {"w": torch.zeros(1)}, "x": _Payload(str(marker))}, path)
-    assert not marker.exists()
+    torch.save({"scaler": LossScaler(1.0)}, tmp_path / "ok.pt")
 
     def refused(file, reason):
         return RuntimeError(f"refused {file}: {reason}")
 
-    with internals.weights_only_torch_load(refused), pytest.raises(RuntimeError, match="refused"):
-        torch.load(path)
-    assert not marker.exists(), "the payload ran"
-    with internals.weights_only_torch_load(refused):  # DeepSpeed's own classes are allowed
-        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    original = torch.load
+    with internals.weights_only_torch_load(refused):
+        assert torch.load is original, "the patch must not reach torch.load itself"
+        with pytest.raises(RuntimeError, match="refused"):
+            TorchCheckpointEngine().load(str(path))
+        assert not marker.exists(), "the payload ran"
+        # DeepSpeed's own classes are allowed
+        assert isinstance(TorchCheckpointEngine().load(str(tmp_path / "ok.pt"))["scaler"],
+                          LossScaler)
+    import deepspeed.checkpoint.ds_to_universal as converter
 
-        torch.save({"scaler": LossScaler(1.0)}, tmp_path / "ok.pt")
-        assert isinstance(torch.load(tmp_path / "ok.pt")["scaler"], LossScaler)
+    assert converter.torch is torch, "the block must put every module's torch back"
+
+
+# what calls torch.load in DeepSpeed 0.19.8 but never on our paths: inference, NVMe swapping,
+# checkpoint engines we do not configure, zero.Init from a file, zero_to_fp32 (export has its own
+# reader), and usage examples inside docstrings
+_LOADS_OFF_OUR_PATHS = {
+    "deepspeed.inference.engine",
+    "deepspeed.inference.v2.model_implementations.inference_policy_base",
+    "deepspeed.module_inject.replace_module",
+    "deepspeed.nvme.torch_fastio_engine",
+    "deepspeed.nvme.torch_io",
+    "deepspeed.runtime.checkpoint_engine.decoupled_checkpoint_engine",
+    "deepspeed.runtime.checkpoint_engine.fast_checkpoint_engine",
+    "deepspeed.runtime.fp16.fused_optimizer",
+    "deepspeed.runtime.fp16.unfused_optimizer",
+    "deepspeed.runtime.zero.partition_parameters",
+    "deepspeed.runtime.zero.stage_1_and_2",
+    "deepspeed.utils.zero_to_fp32",
+}
+
+
+def test_scoped_load_covers_every_deepspeed_caller_on_our_paths():
+    """Every DeepSpeed module that calls ``torch.load`` is either patched or known to be off our
+    load and conversion paths: an upgrade adding a caller fails here."""
+    import deepspeed
+
+    root = Path(deepspeed.__file__).parent
+    callers = {".".join(p.relative_to(root.parent).with_suffix("").parts)
+               for p in root.rglob("*.py") if "torch.load(" in p.read_text(errors="ignore")}
+    assert callers == set(files.TORCH_LOAD_CALLERS) | _LOADS_OFF_OUR_PATHS, callers
+
+
+def test_attn_implementation_on_a_config():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig()
+    internals.set_attn_implementation(config, "eager")
+    assert internals.attn_implementation(config) == "eager"
+    assert config._attn_implementation == "eager"
 
 
 def test_adam_kernels():

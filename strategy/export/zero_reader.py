@@ -1,7 +1,7 @@
 """Reading the weights of a DeepSpeed checkpoint one tensor at a time, without running DeepSpeed.
 
-The layout below is DeepSpeed 0.19.8's (``engine.save_checkpoint``, checked with torch 2.13); keys
-are ``deepspeed.checkpoint.constants`` where DeepSpeed names them. In a tag directory:
+The layout below is DeepSpeed 0.19.8's (``engine.save_checkpoint``, checked with torch 2.13); its
+file names and keys come from ``internals.deepspeed_files``, pinned there. In a tag directory:
 
 - ZeRO 1/2: ``mp_rank_00_model_states.pt`` holds ``module`` (the whole state dict in the training
   dtype), ``param_shapes`` (per optimizer group, name -> shape in flattening order),
@@ -32,16 +32,18 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-from deepspeed.checkpoint.constants import (
+
+from strategy.checkpoint.safe_load import load_torch_file, verify_torch_files
+from strategy.errors import CheckpointFileError
+from strategy.export.memory import MappedPages
+from strategy.internals.deepspeed_files import (
     AUTOEP_LAYERS_KEY,
     AUTOEP_LAYERS_KEY_LEGACY,
-    BF16_ZERO_FILE_PREFIX,
     BUFFER_NAMES,
     CHECKPOINT_PARALLEL_DIMS,
     CHECKPOINT_PP_DEGREE,
@@ -49,33 +51,22 @@ from deepspeed.checkpoint.constants import (
     FP32_FLAT_GROUPS,
     FROZEN_PARAM_FRAGMENTS,
     FROZEN_PARAM_SHAPES,
-    LAYER_FILE_PREFIX,
-    MODEL_FILE_PREFIX,
-    MODEL_FILE_SUFFIX,
-    OPTIM_FILE_SUFFIX,
+    MODEL_STATES_FILE,
+    MODULE,
+    MP_WORLD_SIZE,
     OPTIMIZER_STATE_DICT,
     PARAM_ALIGNMENT_PADDINGS,
     PARAM_SHAPES,
     PARTITION_COUNT,
+    SHARED_PARAMS,
     SINGLE_PARTITION_OF_FP32_GROUPS,
-    ZERO_FILE_PREFIX,
+    UNIVERSAL_DIR,
     ZERO_STAGE,
+    is_pipeline_or_moe_file,
+    optim_file_ranks,
+    zero3_model_file_ranks,
 )
 
-from strategy.checkpoint.safe_load import load_torch_file, verify_torch_files
-from strategy.errors import CheckpointFileError
-from strategy.export.memory import MappedPages
-
-# keys DeepSpeed writes without a constant for them
-MODULE, SHARED_PARAMS, MP_WORLD_SIZE = "module", "shared_params", "mp_world_size"
-EXPERT_OPTIM_PREFIX = "expp_rank_"  # MoE expert optimizer files
-UNIVERSAL_DIR = "zero"  # ds_to_universal's per-parameter folders
-
-_RANKS = rf"(\d+)_{MODEL_FILE_PREFIX}(\d+)"
-_OPTIM_FILE = re.compile(rf"(?:{BF16_ZERO_FILE_PREFIX}|{ZERO_FILE_PREFIX}){_RANKS}"
-                         + re.escape(OPTIM_FILE_SUFFIX))
-_ZERO3_MODEL_FILE = re.compile(rf"{ZERO_FILE_PREFIX}{_RANKS}" + re.escape(MODEL_FILE_SUFFIX))
-_MODEL_FILE = f"{MODEL_FILE_PREFIX}00{MODEL_FILE_SUFFIX}"
 _CHUNK = 4 * 2**20  # elements copied between two page releases (16 MiB of fp32)
 
 
@@ -161,7 +152,7 @@ class ZeroCheckpoint:
         names = sorted(os.listdir(self.dir))
         _refuse_layouts(self.dir, names)
         verify_torch_files(str(self.dir))
-        optim_files = _rank_files(self.dir, names, _OPTIM_FILE, "optimizer")
+        optim_files = _rank_files(self.dir, names, optim_file_ranks, "optimizer")
         optim = [_key(self._load(path), OPTIMIZER_STATE_DICT, path) for path in optim_files]
         self.stage = _stage(optim, optim_files)
         self.world_size = _world_size(optim, optim_files, self.dir) if optim else 1
@@ -307,9 +298,9 @@ def _check_consumed(used: int, available: int, align: int, path: Path, group: in
 def _refuse_layouts(directory: Path, names: list[str]) -> None:
     """Pipeline, MoE and universal checkpoints, told apart by their files."""
     for name in names:
-        if name.startswith((LAYER_FILE_PREFIX, EXPERT_OPTIM_PREFIX)):
+        if is_pipeline_or_moe_file(name):
             raise _unsupported(directory, f"a pipeline-parallel or MoE ({name})")
-    if (directory / UNIVERSAL_DIR).is_dir() and not any(_OPTIM_FILE.fullmatch(n) for n in names):
+    if (directory / UNIVERSAL_DIR).is_dir() and not any(optim_file_ranks(n) for n in names):
         raise _unsupported(directory, "a universal (ds_to_universal's output)")
 
 
@@ -325,18 +316,19 @@ def _refuse_parallel(path: Path, state: dict) -> None:
         raise _unsupported(path, "an MoE (AutoEP)")
 
 
-def _rank_files(directory: Path, names: list[str], pattern: re.Pattern, what: str) -> list[Path]:
-    """The files ``pattern`` matches, in rank order; every rank from 0 up must be there."""
+def _rank_files(directory: Path, names: list[str],
+                ranks_of: Callable[[str], tuple[int, int] | None], what: str) -> list[Path]:
+    """The files ``ranks_of`` recognizes, in rank order; every rank from 0 up must be there."""
     found: dict[int, Path] = {}
     for name in names:
-        match = pattern.fullmatch(name)
-        if not match:
+        ranks = ranks_of(name)
+        if ranks is None:
             continue
-        if int(match.group(2)) != 0:
+        if ranks[1] != 0:
             raise _unsupported(directory / name, "a tensor-parallel")
-        if int(match.group(1)) in found:
+        if ranks[0] in found:
             raise _damaged(directory / name, f"a second {what} file for its rank")
-        found[int(match.group(1))] = directory / name
+        found[ranks[0]] = directory / name
     if sorted(found) != list(range(len(found))):
         raise _damaged(directory, f"{what} files of ranks {sorted(found)} only (some are missing)")
     return [found[rank] for rank in sorted(found)]
@@ -369,11 +361,11 @@ def _world_size(optim: list[dict], files: list[Path], directory: Path) -> int:
 
 def _model_files(directory: Path, names: list[str], stage: int, world_size: int) -> list[Path]:
     if stage == 3:
-        files = _rank_files(directory, names, _ZERO3_MODEL_FILE, "model-state")
+        files = _rank_files(directory, names, zero3_model_file_ranks, "model-state")
         if len(files) != world_size:
             raise _damaged(directory, f"{len(files)} model-state files for {world_size} ranks")
         return files
-    if _MODEL_FILE not in names:
-        raise _damaged(directory / _MODEL_FILE, "not found")
-    return [directory / _MODEL_FILE]
+    if MODEL_STATES_FILE not in names:
+        raise _damaged(directory / MODEL_STATES_FILE, "not found")
+    return [directory / MODEL_STATES_FILE]
 

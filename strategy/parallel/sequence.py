@@ -15,7 +15,7 @@ data-parallel ranks; ZeRO-3 averages over all ranks, so its losses are scaled by
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as torch_dist
@@ -24,7 +24,12 @@ from deepspeed.runtime.sequence_parallel import parallel_state_sp
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from strategy.errors import fail
-from strategy.internals import release_sequence_parallel_groups, ulysses_attention
+from strategy.internals import (
+    attn_implementation,
+    fit_ulysses_to_batch,
+    new_ulysses,
+    release_sequence_parallel_groups,
+)
 from strategy.model import IGNORE_INDEX
 
 # families tested against sp=1 (tests/test_parallel.py); others (GPT-2's attention reshapes
@@ -42,7 +47,7 @@ def check_sequence_parallel(hf_config: Any, sp: int) -> None:
         fail("sequence_parallel_size", sp, f"model_type {kind!r} (sliding window "
              f"{getattr(text, 'sliding_window', None)}) is not supported by DeepSpeed Ulysses "
              f"here; use one of {', '.join(ULYSSES_FAMILIES)} without a sliding window")
-    implementation = getattr(hf_config, "_attn_implementation", None) or "sdpa"
+    implementation = attn_implementation(hf_config)
     if implementation not in ("sdpa", "flash_attention_2", "flash_attention_3"):
         fail("sequence_parallel_size", sp, f"attention {implementation!r} cannot run under "
              "Ulysses; load the model with attn_implementation='sdpa' or flash_attention_2")
@@ -53,6 +58,27 @@ def check_sequence_parallel(hf_config: Any, sp: int) -> None:
     if kv_heads and kv_heads % sp and sp % kv_heads:
         fail("sequence_parallel_size", sp, f"the model's {kv_heads} key/value heads neither "
              "divide by it nor divide it; use a size compatible with both head counts")
+
+
+def ulysses_attention(core_attention: Callable, hf_config: Any, process_group: Any,
+                      micro_batch_size: int) -> Callable:
+    """An attention function running DeepSpeed's ``UlyssesSPAttentionHF`` (all-to-all from
+    sequence shards to head shards and back) around ``core_attention``. DeepSpeed's
+    ``register_with_transformers`` fixes the batch dimension of the shapes it asserts at
+    registration; DPO's paired rows and eval batches differ, so this wrapper fits them to each
+    call. Masks are dropped, as DeepSpeed's wrapper does: sdpa runs causal over the gathered
+    sequence (right padding only)."""
+    text = hf_config.get_text_config()
+    heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    ulysses = new_ulysses(core_attention, micro_batch_size, heads, head_dim, kv_heads,
+                          text.num_hidden_layers, process_group)
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        fit_ulysses_to_batch(ulysses, query.shape[0])
+        return ulysses(module, query, key, value, None, *args, **kwargs)
+
+    return attention
 
 
 class SequenceParallel:
@@ -76,7 +102,7 @@ class SequenceParallel:
             return
         config = getattr(model, "config", model)
         check_sequence_parallel(config, self.size)
-        implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+        implementation = attn_implementation(config)
         core = ALL_ATTENTION_FUNCTIONS[implementation]
         # transformers' process-wide table: every model using this attention now runs Ulysses
         # (DeepSpeed's own registration does the same); close() puts the original back

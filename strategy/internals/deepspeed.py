@@ -1,40 +1,28 @@
-"""Every use of private or undocumented DeepSpeed/torch internals, in one place.
-
-Each function says why we need it and the versions it was checked on; ``tests/test_internals.py``
-exercises every one of them on the real engine, so an upgrade that breaks one fails there first
-(not deep inside a training run). Checked on: torch 2.13.0, DeepSpeed 0.19.8, transformers 5.24.0.
-Nothing else in the package reads an underscore attribute of torch or DeepSpeed, or sets an
-attribute on their objects.
-"""
+"""DeepSpeed's undocumented engine state, parameter attributes, process-group globals, config
+schema and Adam kernels we use: each with why, pinned by ``tests/test_internals.py`` (checked on
+DeepSpeed 0.19.8). Its checkpoint files are ``internals.deepspeed_files``."""
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib
 import math
 import os
-import pickle
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator
 
 import deepspeed
 import torch
-import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.checkpoint import ds_to_universal
 from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
 from deepspeed.module_inject.layers import GatherReplacedLayerParams
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.ops.adam.multi_tensor_apply import MultiTensorApply
 from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.sequence_parallel import parallel_state_sp
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-from deepspeed.runtime.utils import is_model_parallel_parameter
-from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.utils import groups as deepspeed_groups
-from deepspeed.utils.tensor_fragment import fragment_address
 from pydantic import ValidationError
 from torch import nn
 
@@ -73,19 +61,7 @@ def universal_checkpoint_loading(engine: Any) -> Iterator[None]:
         engine._config.load_universal_checkpoint = old
 
 
-def universal_args(src_dir: str, dst_dir: str) -> argparse.Namespace:
-    """The namespace ``ds_to_universal.main`` reads (its parser's fields, one worker each)."""
-    return argparse.Namespace(input_folder=src_dir, output_folder=dst_dir, num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True,
-                              inject_missing_state=True)
-
-
-def convert_to_universal(src_dir: str, dst_dir: str) -> None:
-    """DeepSpeed's ``ds_to_universal`` has only a command-line entry (``main(args)``)."""
-    ds_to_universal.main(universal_args(src_dir, dst_dir))
-
-
-# ------------------------------------------------------------ ZeRO-3 parameters
+# ------------------------------------------------------------ ZeRO-3 and AutoTP parameters
 
 
 def is_zero3_param(param: torch.Tensor) -> bool:
@@ -103,34 +79,8 @@ def full_shape(param: torch.Tensor) -> tuple[int, ...]:
 
 
 def full_numel(param: torch.Tensor) -> int:
+    """The element count of ``full_shape``."""
     return math.prod(full_shape(param))
-
-
-# ------------------------------------------------------------ AutoTP parameters
-
-
-def is_tensor_parallel_param(param: torch.Tensor) -> bool:
-    """A parameter AutoTP split across the tensor-parallel group (DeepSpeed's own test)."""
-    return is_model_parallel_parameter(param)
-
-
-def tensor_parallel_group() -> Any:
-    """The tensor-parallel process group AutoTP made (DeepSpeed keeps it in ``groups``)."""
-    return deepspeed_groups.get_tensor_model_parallel_group()
-
-
-@contextmanager
-def tensor_parallel_gathered(params: list[torch.Tensor], owner: dict[int, nn.Module]
-                             ) -> Iterator[None]:
-    """Collective over each tensor-parallel group: within the block the AutoTP layers owning
-    ``params`` hold their whole weights (DeepSpeed's ``GatherReplacedLayerParams``, which takes
-    a layer's parameters in their own order, weight first)."""
-    modules = {id(owner[id(p)]): owner[id(p)] for p in params if id(p) in owner}
-    with ExitStack() as stack:
-        for module in modules.values():
-            own = list(module.parameters(recurse=False))
-            stack.enter_context(GatherReplacedLayerParams(own, module, enabled=True))
-        yield
 
 
 def local_partition(param: torch.Tensor) -> torch.Tensor:
@@ -139,61 +89,18 @@ def local_partition(param: torch.Tensor) -> torch.Tensor:
     return param.ds_tensor if is_zero3_param(param) else param.data
 
 
-# ------------------------------------------------------------ torch
-
-
-def norm_base_classes() -> tuple[type, ...]:
-    """BatchNorm variants share the private base ``_NormBase``; there is no public one."""
-    return (nn.modules.batchnorm._NormBase,)
-
-
-def non_persistent_buffers(module: nn.Module) -> set[str]:
-    """Buffers registered with ``persistent=False`` (left out of ``state_dict``): torch keeps their
-    names only in ``_non_persistent_buffers_set``."""
-    return set(module._non_persistent_buffers_set)
-
-
-def default_store() -> Any:
-    """The process group's key-value store, where a failing rank leaves its message for its peers
-    (``_get_default_store`` is private); None when unavailable."""
-    try:
-        if not torch_dist.is_initialized():
-            return None
-        return torch_dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - best effort: the store may be gone with rank 0
-        return None
-
-
-# ------------------------------------------------------------ safe loading
-
-
-def deepspeed_checkpoint_globals() -> list[type]:
-    """The non-tensor classes DeepSpeed pickles into its ``.pt`` checkpoint files (the dynamic
-    loss scaler with fp16 training)."""
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
 @contextmanager
-def weights_only_torch_load(on_refusal: Callable[[Any, str], Exception]) -> Iterator[None]:
-    """Monkeypatch: DeepSpeed calls ``torch.load(weights_only=False)`` inside ``load_checkpoint``
-    and ``ds_to_universal`` with no way to change it; within the block every ``torch.load`` runs
-    with ``weights_only=True`` and only DeepSpeed's own classes allowed. A refused file raises
-    ``on_refusal(file, torch's message)``."""
-    original, allowed = torch.load, deepspeed_checkpoint_globals()
-
-    def safe_load(f, *args, **kwargs):
-        kwargs["weights_only"] = True
-        with torch.serialization.safe_globals(allowed):
-            try:
-                return original(f, *args, **kwargs)
-            except pickle.UnpicklingError as exc:
-                raise on_refusal(f, str(exc)) from None
-
-    torch.load = safe_load
-    try:
+def tensor_parallel_gathered(params: list[torch.Tensor], owner: dict[int, nn.Module]
+                             ) -> Iterator[None]:
+    """Collective over each tensor-parallel group: within the block the AutoTP layers owning
+    ``params`` hold their whole weights (DeepSpeed's undocumented ``GatherReplacedLayerParams``,
+    which takes a layer's parameters in their own order, weight first)."""
+    modules = {id(owner[id(p)]): owner[id(p)] for p in params if id(p) in owner}
+    with ExitStack() as stack:
+        for module in modules.values():
+            own = list(module.parameters(recurse=False))
+            stack.enter_context(GatherReplacedLayerParams(own, module, enabled=True))
         yield
-    finally:
-        torch.load = original
 
 
 # ------------------------------------------------------------ DeepSpeed config
@@ -236,36 +143,30 @@ def shm_allreduce_buffer_path(rank: int) -> str:
     return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
 
 
-# ------------------------------------------------------------ DeepSpeed Ulysses
+# ------------------------------------------------------------ process groups, Ulysses
 
 
-def ulysses_attention(core_attention: Callable, hf_config: Any, process_group: Any,
-                      micro_batch_size: int) -> Callable:
-    """An attention function running DeepSpeed's ``UlyssesSPAttentionHF`` (all-to-all from
-    sequence shards to head shards and back) around ``core_attention``. DeepSpeed's
-    ``register_with_transformers`` fixes the batch dimension of the shapes it asserts at
-    registration; DPO's paired rows and eval batches differ, so this wrapper sets it from each
-    call (``batch_size`` and the ``required_*_shape`` attributes, undocumented). Masks are
-    dropped, as DeepSpeed's wrapper does: sdpa runs causal over the gathered sequence (right
-    padding only)."""
-    text = hf_config.get_text_config()
-    heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+def new_ulysses(core_attention: Callable, micro_batch_size: int, heads: int, head_dim: int,
+                kv_heads: int, layers: int, process_group: Any) -> UlyssesSPAttentionHF:
+    """DeepSpeed's Ulysses attention around ``core_attention`` (sdpa's signature), as
+    ``register_with_transformers`` builds it; that function also sets the undocumented
+    ``core_attn_implementation``, which the module reads on every call."""
     ulysses = UlyssesSPAttentionHF(attn=core_attention, batch_size=micro_batch_size,
                                    attn_head_count=heads, attn_head_size=head_dim,
-                                   kv_head_count=kv_heads, num_hidden_layers=text.num_hidden_layers,
+                                   kv_head_count=kv_heads, num_hidden_layers=layers,
                                    process_group=process_group, seq_length_is_variable=True)
     ulysses.core_attn_implementation = "sdpa"
+    return ulysses
 
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        batch = query.shape[0]
-        ulysses.batch_size = batch
-        for name in ("required_query_shape", "required_key_value_shape", "required_context_shape"):
-            shape = list(getattr(ulysses, name))
-            setattr(ulysses, name, torch.Size([shape[0], batch, *shape[2:]]))
-        return ulysses(module, query, key, value, None, *args, **kwargs)
 
-    return attention
+def fit_ulysses_to_batch(ulysses: Any, batch: int) -> None:
+    """Make a ``UlyssesSPAttentionHF`` accept a batch of ``batch`` rows: it fixes the batch
+    dimension of the shapes it asserts when built (``batch_size`` and the ``required_*_shape``
+    attributes, undocumented)."""
+    ulysses.batch_size = batch
+    for name in ("required_query_shape", "required_key_value_shape", "required_context_shape"):
+        shape = list(getattr(ulysses, name))
+        setattr(ulysses, name, torch.Size([shape[0], batch, *shape[2:]]))
 
 
 def release_sequence_parallel_groups() -> None:
@@ -327,14 +228,15 @@ def new_cpu_adam_id() -> int:
 
 
 def cpu_adam_op() -> Any:
-    """DeepSpeed's compiled CPU Adam op (``create_adam``/``adam_update``/``destroy_adam``): the
-    kernel under ``DeepSpeedCPUAdam``, whose Python class steps whole groups only."""
+    """DeepSpeed's compiled CPU Adam op (undocumented ``create_adam``/``adam_update``/
+    ``destroy_adam``): the kernel under ``DeepSpeedCPUAdam``, whose Python class steps whole
+    groups only."""
     return CPUAdamBuilder().load()
 
 
 def multi_tensor_adam(chunk_size: int) -> Callable:
-    """DeepSpeed's multi-tensor fused Adam kernel, called on our own tensor lists (``FusedAdam``
-    applies it to whole parameter groups only)."""
+    """DeepSpeed's multi-tensor fused Adam kernel (undocumented ``MultiTensorApply``), called on
+    our own tensor lists (``FusedAdam`` applies it to whole parameter groups only)."""
     op = FusedAdamBuilder().load().multi_tensor_adam
     applier = MultiTensorApply(chunk_size)
     return functools.partial(applier, op)
