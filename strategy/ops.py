@@ -18,6 +18,7 @@ with more cores, ``cores / 2`` ops at a time.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -26,9 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from deepspeed.accelerator import get_accelerator
 
+from strategy.log import get_logger
+
 DEFAULT = ("FusedAdamBuilder",)
 TESTS = ("FusedAdamBuilder", "ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
 SETS = {"default": DEFAULT, "tests": TESTS, "all": TESTS}
+log = get_logger("ops")
 _BUILD_ONE = ("import sys; from deepspeed.accelerator import get_accelerator; "
               "get_accelerator().create_op_builder(sys.argv[1]).load(verbose=False)")
 
@@ -48,14 +52,15 @@ def buildable(names: tuple[str, ...]) -> list[str]:
 def _build(name: str) -> tuple[str, float, str]:
     op = get_accelerator().create_op_builder(name).NAME
     start = time.monotonic()
-    print(f"[ops] {op}: started {time.strftime('%H:%M:%S')}", flush=True)
+    log.info("%s: started %s", op, time.strftime("%H:%M:%S"))
     # every op may use every core: one op's files compile while another's link or wait
     env = {**os.environ, "MAX_JOBS": str(os.cpu_count() or 2)}
     proc = subprocess.run([sys.executable, "-c", _BUILD_ONE, name], env=env, capture_output=True,
                           text=True)
     seconds = time.monotonic() - start
     status = "finished" if proc.returncode == 0 else "FAILED"
-    print(f"[ops] {op}: {status} {time.strftime('%H:%M:%S')} ({seconds:.0f} s)", flush=True)
+    log.log(logging.INFO if proc.returncode == 0 else logging.WARNING, "%s: %s %s (%.0f s)", op,
+            status, time.strftime("%H:%M:%S"), seconds)
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] if proc.returncode else []
     return op, seconds, tail[0] if tail else ""
 
@@ -77,8 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     start = time.monotonic()
     results = build_ops(args.which, args.jobs)
     failed = [f"{op}: {error}" for op, _, error in results if error]
-    print(f"[ops] {args.which}: {len(results) - len(failed)} of {len(results)} ops ready in "
-          f"{time.monotonic() - start:.0f} s", flush=True)
+    log.info("%s: %d of %d ops ready in %.0f s", args.which, len(results) - len(failed),
+             len(results), time.monotonic() - start)
     if failed:
         raise SystemExit("[ops] failed: " + "; ".join(failed))
 
