@@ -45,7 +45,17 @@ class DeepSpeedStrategy:
     """DeepSpeed ZeRO 0-3 behind a small surface; trainers take it as a dependency.
 
     Use it as a context manager (``with DeepSpeedStrategy(...) as strategy:``) so ``close()`` runs
-    even when training raises."""
+    even when training raises.
+
+    Attributes:
+        config: the run's ``StrategyConfig``; ``optim`` its ``OptimConfig``, ``checkpoint`` its
+            ``CheckpointConfig``.
+        models: builds models under the ZeRO-3 construction hook (``model.ModelFactory``).
+        grad_norms: the norms DeepSpeed does not measure (``parallel.GradNorms``).
+        storage: each checkpoint directory's storage kind (``checkpoint.CheckpointStorage``).
+        sequence: the Ulysses groups, or None without sequence parallelism.
+        resume_state: where the run resumed (set by ``load_ckpt``), or None.
+    """
 
     def __init__(self, config: StrategyConfig | None = None, optim: OptimConfig | None = None,
                  checkpoint: CheckpointConfig | None = None) -> None:
@@ -68,9 +78,18 @@ class DeepSpeedStrategy:
 
     # ------------------------------------------------------------ ranks
     def setup_distributed(self, timeout: timedelta | float | None = None) -> None:
-        """Validate against the launcher's world size, seed every RNG, start the process group,
-        install the failure hook. ``timeout`` (seconds or timedelta; default
-        ``config.timeout_minutes``) bounds every collective."""
+        """Start the run: validate the configs against the launcher's world size, seed every
+        RNG, start the process group, install the failure hook, make the sequence-parallel
+        groups and find the checkpoint storage.
+
+        Args:
+            timeout: bound on every collective, in seconds or a ``timedelta`` (default
+                ``config.timeout_minutes``).
+
+        Raises:
+            ConfigError: the world size does not fit the batch and parallel sizes, the accelerator
+                lacks the requested precision, or the checkpoint storage contradicts its setting.
+        """
         if timeout is None:
             timeout = timedelta(minutes=self.config.timeout_minutes)
         elif not isinstance(timeout, timedelta):
@@ -86,10 +105,18 @@ class DeepSpeedStrategy:
         self.checkpoint_storage()  # found (and logged) before any training
 
     def checkpoint_storage(self, directory: str | None = None) -> str:
-        """Collective: ``"shared"`` or ``"node_local"`` for ``directory`` (default
-        ``checkpoint.ckpt_path``, whose kind DeepSpeed is configured for; other directories must
-        be of the same kind). Found once per directory (``checkpoint.checkpoint_storage`` may
-        insist on one)."""
+        """Collective (the first time per directory): the storage kind of a checkpoint directory.
+
+        Args:
+            directory: default ``checkpoint.ckpt_path``, the kind DeepSpeed is configured for.
+
+        Returns:
+            ``"shared"`` (one filesystem for every node) or ``"node_local"``.
+
+        Raises:
+            ConfigError: the directory's kind differs from ``ckpt_path``'s, or from the
+                ``checkpoint_storage`` setting.
+        """
         return self.storage.kind(directory)
 
     def _check_accelerator(self) -> None:
@@ -103,14 +130,17 @@ class DeepSpeedStrategy:
 
     @property
     def rank(self) -> int:
+        """This process's global rank."""
         return dist.get_rank()
 
     @property
     def world_size(self) -> int:
+        """The number of ranks."""
         return dist.get_world_size()
 
     @property
     def is_rank_0(self) -> bool:
+        """Whether this is global rank 0 (the one that writes shared files)."""
         return dist.is_rank_0()
 
     @property
@@ -120,32 +150,70 @@ class DeepSpeedStrategy:
 
     @property
     def data_parallel_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (its data shard)."""
         return self.config.data_parallel_rank(self.rank)
 
     @property
     def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step on each rank."""
         return self.config.accumulation_steps(self.world_size)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only (through ``strategy.log``, no prefix).
+
+        Args:
+            *args: what ``print`` takes.
+            **kwargs: ``sep``, ``end``, ``flush`` as ``print`` takes them.
+        """
         dist.print0(*args, **kwargs)
 
     def barrier(self) -> None:
+        """Collective: wait until every rank gets here."""
         dist.barrier()
 
     def checked(self, fn: Callable, *args: Any) -> Any:
         """Collective: ``fn(*args)`` on every rank; an error on any rank is raised on all of them
-        (one line naming the rank), so a trainer never branches on which rank failed."""
+        (one line naming the rank), so a trainer never branches on which rank failed.
+
+        Args:
+            fn: what to call.
+            *args: its arguments.
+
+        Returns:
+            This rank's result.
+
+        Raises:
+            RankFailedError: ``fn`` failed on some rank (one line naming it), on every rank.
+        """
         return dist.checked(fn, *args)
 
     def on_rank_0(self, fn: Callable, *args: Any) -> Any:
-        """Collective: ``fn(*args)`` runs on rank 0 only (file writes); every rank returns its
-        result or raises its error."""
+        """Collective: ``fn(*args)`` runs on rank 0 only (file writes).
+
+        Args:
+            fn: what rank 0 calls.
+            *args: its arguments.
+
+        Returns:
+            Rank 0's result, on every rank.
+
+        Raises:
+            Exception: rank 0's error, on every rank.
+        """
         return dist.on_rank_0(fn, *args)
 
     def all_reduce(self, data: Any, op: str = "mean", group: str = "world") -> Any:
-        """Reduce over every rank (``group="world"``), or over the data-parallel ranks (``"data"``,
-        for values every rank of a sequence/tensor-parallel group holds alike: each is counted
-        once)."""
+        """Collective: reduce numbers, tensors or nested dicts of them over the ranks.
+
+        Args:
+            data: what to reduce (a tensor is not changed in place).
+            op: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``.
+            group: ``"world"`` (every rank), or ``"data"`` for values every rank of a
+                sequence/tensor-parallel group holds alike (each is counted once).
+
+        Returns:
+            The reduced value, the same on every rank.
+        """
         out = dist.all_reduce(data, op)
         if group == "data" and op == "sum":
             out = _scaled(out, 1.0 / self.config.model_parallel_size)
@@ -154,14 +222,31 @@ class DeepSpeedStrategy:
     # ------------------------------------------------------------ sequence parallelism
     @property
     def sequence_parallel_size(self) -> int:
+        """Ranks that share one sequence (Ulysses); 1 without sequence parallelism."""
         return self.config.sequence_parallel_size
 
     def shard_sequence(self, batch: dict) -> dict:
-        """This rank's slice of a batch's sequence (unchanged without sequence parallelism)."""
+        """This rank's slice of a batch's sequence.
+
+        Args:
+            batch: ``input_ids``, ``labels`` and optionally ``position_ids``.
+
+        Returns:
+            The slice (``input_ids``, ``position_ids``, ``shift_labels``); the batch unchanged
+            without sequence parallelism.
+        """
         return batch if self.sequence is None else self.sequence.shard(batch)
 
     def sequence_sum(self, tensor: torch.Tensor, keep_gradient: bool = False) -> torch.Tensor:
-        """Sum over the sequence-parallel group (unchanged without it)."""
+        """Collective over the sequence-parallel group: the sum of ``tensor``.
+
+        Args:
+            tensor: this rank's part (a loss sum, a token count).
+            keep_gradient: let the backward sum the gradients too.
+
+        Returns:
+            The sum; ``tensor`` unchanged without sequence parallelism.
+        """
         return tensor if self.sequence is None else self.sequence.sum(tensor, keep_gradient)
 
     @property
@@ -171,37 +256,75 @@ class DeepSpeedStrategy:
         return self.accumulation_steps * self.data_parallel_size
 
     def all_gather(self, data: Any) -> Any:
+        """Collective: every rank's ``data``.
+
+        Args:
+            data: a picklable object or a tensor.
+
+        Returns:
+            A list in rank order (tensors: concatenated along dim 0).
+        """
         return dist.all_gather(data)
 
     @property
     def ds_config(self) -> dict:
+        """The DeepSpeed config of training engines (``build_ds_config``, checkpoint storage)."""
         out = build_ds_config(self.config, self.world_size)
         out.update(self.storage.deepspeed_section())  # node-local: each node writes its copy
         return out
 
     @property
     def eval_ds_config(self) -> dict:
+        """The DeepSpeed config of eval engines (frozen models: reference, reward)."""
         return build_eval_ds_config(self.config, self.world_size)
 
     @property
     def dtype(self) -> torch.dtype:
+        """The training dtype: bf16, fp16 or fp32."""
         return training_dtype(self.config.bf16, self.config.fp16)
 
     # ------------------------------------------------------------ models and optimizers
     def from_pretrained(self, name_or_config: Any, auto_cls: Any = None,
                         dtype: torch.dtype | None = None, frozen: bool = False,
                         **kwargs: Any) -> nn.Module:
-        """Build a Hugging Face model (path, hub name or config); partitioned at construction
-        under ZeRO-3. ``frozen``: a model that only runs forwards (a reference or reward model),
-        built as its eval engine keeps it (with ``ref_offload``: partitioned onto the CPU)."""
+        """Build a Hugging Face model, partitioned at construction when its engine runs ZeRO-3.
+
+        Args:
+            name_or_config: a local path, a hub name, or a ``PretrainedConfig`` (random weights).
+            auto_cls: the ``AutoModel...`` class (default ``AutoModelForCausalLM``).
+            dtype: default the training dtype.
+            frozen: a model that only runs forwards (a reference or reward model), built as its
+                eval engine keeps it (with ``ref_offload``: partitioned onto the CPU).
+            **kwargs: passed to ``from_pretrained``/``from_config``.
+
+        Returns:
+            The model (not yet an engine: pass it to ``prepare``).
+
+        Raises:
+            CorruptWeightsError: a local directory's safetensors are truncated or missing.
+        """
         return self.models.build(name_or_config, auto_cls, dtype or self.dtype, frozen, **kwargs)
 
     def create_optimizer(self, model: nn.Module, lr: float | None = None,
                          betas: tuple[float, float] | None = None,
                          weight_decay: float | None = None,
                          eps: float | None = None) -> torch.optim.Optimizer:
-        """The ``optim.optimizer`` kernel (FusedAdam, DeepSpeedCPUAdam with adam_offload, or
-        HybridAdam); no decay on biases and norm weights."""
+        """The ``optim.optimizer`` kernel (FusedAdam, DeepSpeedCPUAdam with ``adam_offload``, or
+        HybridAdam) over ``model``'s trainable parameters; no decay on biases and norm weights.
+
+        Args:
+            model: the model (before ``prepare``).
+            lr: default ``optim.learning_rate``.
+            betas: default ``optim.adam_betas``.
+            weight_decay: default ``optim.l2``.
+            eps: default ``optim.adam_eps``.
+
+        Returns:
+            The optimizer, for ``prepare``.
+
+        Raises:
+            ConfigError: ``offload_ratio`` below 1 with HybridAdam.
+        """
         optim = self.optim
         if self.config.offload_ratio < 1 and optim.optimizer == "hybrid_adam":
             fail("offload_ratio", self.config.offload_ratio, "DeepSpeed's partial offload runs "
@@ -216,6 +339,22 @@ class DeepSpeedStrategy:
     def create_scheduler(self, optimizer: torch.optim.Optimizer, name: str | None = None, *,
                          num_training_steps: int, num_warmup_steps: int | None = None,
                          warmup_ratio: float | None = None, min_lr_ratio: float | None = None):
+        """A learning-rate schedule with warmup.
+
+        Args:
+            optimizer: from ``create_optimizer``.
+            name: default ``optim.lr_scheduler``.
+            num_training_steps: optimizer steps of the whole run.
+            num_warmup_steps: warmup steps; default from ``warmup_ratio``.
+            warmup_ratio: warmup as a share of the run (default ``optim.lr_warmup_ratio``).
+            min_lr_ratio: the floor as a share of the peak (default ``optim.min_lr_ratio``).
+
+        Returns:
+            The scheduler, for ``prepare``.
+
+        Raises:
+            ConfigError: an unknown name or a bad warmup.
+        """
         if num_warmup_steps is None and warmup_ratio is None:
             warmup_ratio = self.optim.lr_warmup_ratio
         min_lr_ratio = self.optim.min_lr_ratio if min_lr_ratio is None else min_lr_ratio
@@ -225,8 +364,15 @@ class DeepSpeedStrategy:
                                 min_lr_ratio=min_lr_ratio)
 
     def prepare(self, *items: Any) -> Any:
-        """``(model, optimizer, scheduler)`` tuples become training engines, bare models eval
-        engines; returned in the same order (a single item is returned bare)."""
+        """Turn models into DeepSpeed engines.
+
+        Args:
+            *items: ``(model, optimizer, scheduler)`` tuples become training engines, bare models
+                eval engines.
+
+        Returns:
+            The engines in the same order; a single item's engine bare.
+        """
         out = [self._prepare_train(*item) if isinstance(item, tuple) else self._prepare_eval(item)
                for item in items]
         return out[0] if len(out) == 1 else out
@@ -257,27 +403,59 @@ class DeepSpeedStrategy:
 
     # ------------------------------------------------------------ stepping
     def backward(self, loss: torch.Tensor, engine) -> None:
-        """Under sequence parallelism ZeRO 1/2 sum a gradient over the sequence ranks, ZeRO-3
-        averages over them too: its loss is scaled up by their number to match."""
+        """Backward through ``engine``. Under sequence parallelism ZeRO 1/2 sum a gradient over
+        the sequence ranks, ZeRO-3 averages over them too: its loss is scaled up by their number
+        to match.
+
+        Args:
+            loss: this micro-batch's loss.
+            engine: the training engine.
+        """
         zero3_average = self.config.zero_stage == 3 and self.sequence is not None
         engine.backward(loss * self.sequence_parallel_size if zero3_average else loss)
 
     def optimizer_step(self, engine) -> None:
-        """DeepSpeed steps (clip, update, schedule, zero grads) only at accumulation boundaries."""
+        """Step ``engine``: DeepSpeed clips, updates, schedules and zeroes the gradients only at
+        accumulation boundaries; the gradient norm is measured first where DeepSpeed does not.
+
+        Args:
+            engine: the training engine.
+        """
         if engine.is_gradient_accumulation_boundary():
             self.grad_norms.before_step(engine)  # measured before DeepSpeed drops the gradients
             restart_adam_powers(engine.optimizer)  # exact resume on DeepSpeed's CPU Adam
         engine.step()
 
     def get_grad_norm(self, engine) -> float | None:
-        """The global gradient norm (before clipping) of the last optimizer step."""
+        """The global gradient norm (before clipping) of ``engine``'s last optimizer step.
+
+        Args:
+            engine: the training engine.
+
+        Returns:
+            The norm, or None before the first step.
+        """
         return self.grad_norms.get(engine)
 
     def setup_dataloader(self, dataset: Dataset, batch_size: int | None = None,
                          shuffle: bool = True, collate_fn: Callable | None = None,
                          drop_last: bool = True, num_workers: int = 0,
                          seed: int | None = None) -> DataLoader:
-        """A loader over this rank's shard; its sampler's position is resumable mid-epoch."""
+        """A training loader over this rank's data-parallel shard; its sampler's position is
+        resumable mid-epoch (``load_ckpt(dataloader=...)``).
+
+        Args:
+            dataset: a map-style dataset.
+            batch_size: default ``micro_train_batch_size``.
+            shuffle: shuffle each epoch (seeded).
+            collate_fn: builds a batch from samples.
+            drop_last: drop the last incomplete batch.
+            num_workers: loader worker processes.
+            seed: default ``config.seed``.
+
+        Returns:
+            The loader.
+        """
         seed = self.config.seed if seed is None else seed
         sampler = ResumableDistributedSampler(dataset, num_replicas=self.data_parallel_size,
                                               rank=self.data_parallel_rank, shuffle=shuffle,
@@ -293,7 +471,17 @@ class DeepSpeedStrategy:
                               collate_fn: Callable | None = None,
                               num_workers: int = 0) -> DataLoader:
         """A held-out loader: this rank's shard, in order, every sample exactly once (no padding);
-        ``Trainer.evaluate`` keeps ranks in step over uneven shards."""
+        ``Trainer.evaluate`` keeps ranks in step over uneven shards.
+
+        Args:
+            dataset: a map-style dataset.
+            batch_size: default ``micro_eval_batch_size``.
+            collate_fn: builds a batch from samples.
+            num_workers: loader worker processes.
+
+        Returns:
+            The loader.
+        """
         sampler = ShardSampler(dataset, num_replicas=self.data_parallel_size,
                                rank=self.data_parallel_rank)
         return DataLoader(dataset, batch_size=batch_size or self.config.micro_eval_batch_size,
@@ -303,9 +491,24 @@ class DeepSpeedStrategy:
     def save_model(self, engine, tokenizer: Any, output_dir: str | Path,
                    max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None,
                    merge_lora: bool = False, ema: EMA | None = None) -> Path:
-        """Every rank: stream an HF directory (sharded safetensors, config, tokenizer; a LoRA
-        model's adapter, or merged with ``merge_lora``) to ``output_dir``, atomically, written
-        by rank 0 only; with ``ema`` the moving-average weights instead of the current ones."""
+        """Every rank: stream a Hugging Face directory to ``output_dir``, atomically, written by
+        rank 0 only.
+
+        Args:
+            engine: an engine or a module.
+            tokenizer: saved beside the weights (None: none).
+            output_dir: the directory to create or replace.
+            max_shard_size: bytes per safetensors shard, or a size such as ``"5GB"``.
+            dtype: the written weights' dtype (default as trained).
+            merge_lora: a PEFT model's adapter folded into its base weights instead of the adapter.
+            ema: write its moving-average weights instead of the current ones.
+
+        Returns:
+            ``output_dir`` as a ``Path``.
+
+        Raises:
+            SaveError: a rank failed to write (every rank raises it).
+        """
         with ema.swapped_in() if ema is not None else nullcontext():
             out = save_model(engine, tokenizer, output_dir, max_shard_size=max_shard_size,
                              dtype=dtype, merge_lora=merge_lora)
@@ -356,12 +559,29 @@ class DeepSpeedStrategy:
                   load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                   dataloader: DataLoader | None = None, universal: bool | None = None,
                   ema: EMA | None = None) -> tuple[str | None, dict]:
-        """Every rank: resume from ``tag`` or the newest complete checkpoint in ``load_dir``
-        (default ``checkpoint.ckpt_path``); returns ``(path, client_state)``, ``(None, {})`` when
-        there is none. ``dataloader`` (from ``setup_dataloader``) is moved to the saved position;
-        ``self.resume_state`` holds step, consumed samples, epoch and position in it. A checkpoint
-        from another world size is converted to DeepSpeed's universal format (``universal``
-        forces or forbids that). ``ema`` gets its saved weights back."""
+        """Every rank: resume from a checkpoint.
+
+        Args:
+            engine: the training engine (from ``prepare``).
+            load_dir: default ``checkpoint.ckpt_path``.
+            tag: default the newest complete checkpoint.
+            load_optimizer_states: restore the optimizer.
+            load_lr_scheduler_states: restore the scheduler.
+            dataloader: a loader from ``setup_dataloader``, moved to the saved position.
+            universal: force (True) or forbid (False) DeepSpeed's universal conversion; by default
+                used when the world size changed.
+            ema: gets its saved weights back.
+
+        Returns:
+            ``(path, client_state)``; ``(None, {})`` when there is nothing to resume.
+            ``self.resume_state`` holds step, consumed samples, epoch and position in it.
+
+        Raises:
+            ConfigError: the checkpoint was saved at other sequence/tensor-parallel sizes, or the
+                tag does not exist.
+            CheckpointFileError: a file is damaged, holds objects beyond tensors, or the EMA part is
+                missing (every rank raises it).
+        """
         path, state, self.resume_state = load_checkpoint(
             engine, load_dir or self.checkpoint.ckpt_path, tag, load_optimizer_states,
             load_lr_scheduler_states, dataloader, universal, layout=self.layout,
@@ -373,7 +593,18 @@ class DeepSpeedStrategy:
 
     def create_ema(self, engine, beta: float) -> EMA:
         """A moving average of ``engine``'s trainable weights, partitioned as they are; call
-        ``ema.update()`` after each optimizer step (``Trainer`` does with ``--ema_beta``)."""
+        ``ema.update()`` after each optimizer step (``Trainer`` does with ``--ema_beta``).
+
+        Args:
+            engine: the training engine.
+            beta: the decay, in (0, 1).
+
+        Returns:
+            The ``EMA``.
+
+        Raises:
+            ConfigError: ``beta`` outside (0, 1).
+        """
         return EMA(engine.module, beta)
 
     @property
@@ -384,8 +615,12 @@ class DeepSpeedStrategy:
                          cfg.train_batch_size)
 
     def close(self, keep_failure_hook: bool = False) -> None:
-        """Drop the ZeRO-3 construction hook (so later single-process loads behave normally) and
-        the failure hook (unless an error is on its way out). Safe to call more than once."""
+        """Drop the ZeRO-3 construction hook (so later single-process loads behave normally), the
+        sequence- and tensor-parallel groups, and the failure hook. Safe to call more than once.
+
+        Args:
+            keep_failure_hook: keep the hook (an error is on its way out).
+        """
         self.models.close()
         if self.sequence is not None:
             self.sequence.close()
