@@ -57,7 +57,7 @@ def probe(sp: int, tiled: bool, budget: float) -> None:
     from transformers import LlamaConfig
 
     from strategy import DeepSpeedStrategy, OptimConfig, StrategyConfig
-    from strategy.trainers.lm import forward_inputs, tiled_loss_sum
+    from strategy.trainers.losses import forward_inputs, tiled_loss_sum
 
     config = StrategyConfig(zero_stage=2, sequence_parallel_size=sp, micro_train_batch_size=1,
                             train_batch_size=2 // sp)
@@ -154,7 +154,7 @@ def throughput_job(rounds: int, steps: int) -> None:
 
     from strategy import DeepSpeedStrategy, OptimConfig, StrategyConfig
     from strategy.trainers import data as sft_data
-    from strategy.trainers import packing
+    from strategy.trainers.data import packing
 
     rows = mixed_rows(2048)
     packed = packing.pack(rows, 2048)

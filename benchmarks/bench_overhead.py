@@ -19,12 +19,11 @@ import time
 
 import deepspeed
 import torch
-from tqdm import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from strategy import DeepSpeedStrategy, OptimConfig, StrategyConfig
-from strategy.trainers import SFTTrainer, TrainConfig
-from strategy.trainers.sft import response_tokens
+from strategy.trainers import SFTTrainer, Step, TrainConfig
+from strategy.trainers.algorithms.sft import response_tokens
 
 VOCAB, SEQ, MICRO = 512, 128, 4
 
@@ -82,14 +81,14 @@ class RawLoop:
 class TimedTrainer(SFTTrainer):
     """The Trainer, stamping the end of every optimizer step."""
 
-    def _after_step(self, epoch, sums, bar) -> None:
-        super()._after_step(epoch, sums, bar)
+    def on_step_end(self, metrics: dict) -> None:
         self.stamps.append(time.perf_counter())
 
     def run(self, data: list[dict], steps: int) -> list[float]:
         self.stamps = [time.perf_counter()]
-        self.train_dataloader = data
-        self._train_epoch(0, steps, self.bar)
+        for index in range(steps):
+            self.train_step(Step(data[index * self.strategy.accumulation_steps:
+                                      (index + 1) * self.strategy.accumulation_steps]))
         return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
 
 
@@ -103,7 +102,6 @@ def build(strategy, base_state: dict, log_dir: str, steps: int):
     config = TrainConfig(log_dir=log_dir, logging_steps=1, save_path=f"{log_dir}/model")
     trainer = TimedTrainer(strategy, ours_model, strategy.create_optimizer(ours_model), None,
                            [], None, config)
-    trainer.bar = tqdm(total=steps, disable=not strategy.is_rank_0, mininterval=2.0)
     return RawLoop(raw_engine, strategy.accumulation_steps), trainer
 
 

@@ -26,7 +26,7 @@ from strategy import DeepSpeedStrategy, OptimConfig, StrategyConfig
 from strategy.demos.toy_task import make_tokenizer
 from strategy.trainers import data as sft_data
 from strategy.trainers.config import DataConfig
-from strategy.trainers.recipe import hf_config
+from strategy.trainers.run import hf_config
 
 MODEL = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,

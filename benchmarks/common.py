@@ -49,8 +49,7 @@ class StepClock:
 
 
 class ClockedSFT(SFTTrainer):
-    def _after_step(self, epoch, sums, bar) -> None:
-        super()._after_step(epoch, sums, bar)
+    def on_step_end(self, metrics: dict) -> None:
         self.clock.step_done()
 
 

@@ -16,7 +16,7 @@ import os
 
 from strategy.demos.toy_task import generate
 from strategy.trainers import SFTTrainer
-from strategy.trainers.recipe import Run
+from strategy.trainers.run import Run
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,7 @@ deepspeed --num_gpus 2 examples/train_dpo.py --config configs/dpo_zero3.yaml
 import copy
 
 from strategy.trainers import DPOTrainer
-from strategy.trainers.recipe import Run
+from strategy.trainers.run import Run
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> dict:
         pretrain = run.model_cfg.pretrain
         reference = (run.strategy.from_pretrained(pretrain, frozen=True) if pretrain
                      else _copy_of(run, model))
-        trainer = run.trainer(DPOTrainer, model, "pairs", ref_model=reference, dpo=run.dpo)
+        trainer = run.trainer(DPOTrainer, model, ref_model=reference, dpo=run.dpo)
         return trainer.fit()
 
 

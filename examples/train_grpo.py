@@ -9,7 +9,7 @@ deepspeed --num_gpus 8 examples/train_grpo.py --config configs/grpo_toy.yaml \
 """
 
 from strategy.trainers import GRPOTrainer
-from strategy.trainers.recipe import Run
+from strategy.trainers.run import Run
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> dict:
         reference = None
         if run.grpo.kl_coef > 0:
             reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
-        trainer = run.trainer(GRPOTrainer, model, "prompts", grpo=run.grpo, ref_model=reference,
+        trainer = run.trainer(GRPOTrainer, model, grpo=run.grpo, ref_model=reference,
                               reward=run.reward(), answer_key=run.data.output_key)
         return trainer.fit()
 

@@ -6,7 +6,7 @@ torchrun --nproc_per_node 2 examples/train_sft.py --config configs/sft_zero3.yam
 """
 
 from strategy.trainers import SFTTrainer
-from strategy.trainers.recipe import Run
+from strategy.trainers.run import Run
 
 
 def main(argv: list[str] | None = None) -> dict:

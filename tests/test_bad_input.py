@@ -132,7 +132,7 @@ def _argv(values: dict) -> list[str]:
 
 @pytest.mark.parametrize("change,message", CASES, ids=[str(i) for i in range(len(CASES))])
 def test_bad_setting_fails_before_process_group(toy, monkeypatch, change, message):
-    from strategy.trainers.recipe import Run
+    from strategy.trainers.run import Run
     from tests.support.helpers import forbid_process_group
 
     forbid_process_group(monkeypatch)
@@ -148,7 +148,7 @@ def test_bad_setting_fails_before_process_group(toy, monkeypatch, change, messag
 
 
 def test_yaml_with_bad_key_fails_the_same_way(toy, tmp_path, monkeypatch):
-    from strategy.trainers.recipe import Run
+    from strategy.trainers.run import Run
 
     path = tmp_path / "c.yaml"
     path.write_text("zero_stage: 2\nlearning_rat: 1.0e-5\n")
@@ -164,7 +164,7 @@ def test_yaml_with_bad_key_fails_the_same_way(toy, tmp_path, monkeypatch):
 def test_fp16_refused_where_deepspeed_cannot_train_it(toy, monkeypatch):
     from deepspeed.accelerator import get_accelerator
 
-    from strategy.trainers.recipe import Run
+    from strategy.trainers.run import Run
     from tests.support.helpers import forbid_process_group
 
     if get_accelerator().is_fp16_supported():

@@ -63,7 +63,7 @@ def test_every_shipped_config_loads():
     files = sorted(glob.glob("configs/*.yaml"))
     assert files, "configs/ must hold at least one YAML"
     from strategy.trainers.config import GRPOConfig
-    from strategy.trainers.recipe import CONFIG_CLASSES
+    from strategy.trainers.run import CONFIG_CLASSES
 
     for path in files:
         first = open(path).readline()

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from strategy.trainers import packing
+from strategy.trainers.data import packing
 from tests.support.models import tiny_llama
 
 pytestmark = pytest.mark.gpu

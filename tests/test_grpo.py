@@ -67,7 +67,7 @@ def toy(tmp_path_factory):
     )
 
     from strategy.demos.toy_task import make
-    from strategy.trainers.recipe import hf_config
+    from strategy.trainers.run import hf_config
 
     root = tmp_path_factory.mktemp("grpo")
     make(str(root / "data"), n_train=45, n_test=13)  # 45 prompts: 5 rollouts of 8, 5 left over
@@ -98,11 +98,11 @@ def _argv(root, name: str, **extra) -> list[str]:
 
 def train(root: str, name: str, **extra) -> dict:
     from strategy.trainers import GRPOTrainer
-    from strategy.trainers.recipe import Run
+    from strategy.trainers.run import Run
 
     with Run.from_args(_argv(root, name, **extra), grpo=True) as run:
         reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
-        trainer = run.trainer(GRPOTrainer, run.model(), "prompts", grpo=run.grpo,
+        trainer = run.trainer(GRPOTrainer, run.model(), grpo=run.grpo,
                               ref_model=reference, reward=run.reward())
         final = trainer.fit()
     return {"history": trainer.history, "final": final}
@@ -128,7 +128,7 @@ def test_first_update_and_exact_resume(ranks, toy):
     assert same[0] == same[1]  # every rank logs the same reduced figures
     for row in full[0]["history"]:
         assert 0.0 <= row["reward"] <= 1.0 and row["completion_length"] >= 1
-        assert row["generation_s"] > 0 and row["update_s"] > 0
+        assert row["generation_s"] > 0 and row["step_time"] > 0
     assert "exact_match" in full[0]["final"] and "reward" in full[0]["final"]
 
     ckpt = toy / "full" / "ckpt"
@@ -145,14 +145,14 @@ def test_first_update_and_exact_resume(ranks, toy):
 def greedy_tokens(root: str, stage: int) -> list[list[int]]:
     """Greedy completions of this rank's held-out prompts, as the trainer generates them."""
     from strategy.trainers import GRPOTrainer
-    from strategy.trainers.recipe import Run
+    from strategy.trainers.run import Run
 
     extra = {"zero_stage": stage}
     if stage == 3:
         extra["ds_config_overrides"] = json.dumps(
             {"zero_optimization": {"stage3_param_persistence_threshold": 0}})
     with Run.from_args(_argv(root, f"greedy{stage}", kl_coef=0.0, **extra), grpo=True) as run:
-        trainer = run.trainer(GRPOTrainer, run.model(), "prompts", grpo=run.grpo,
+        trainer = run.trainer(GRPOTrainer, run.model(), grpo=run.grpo,
                               reward=run.reward())
         out = []
         for batch in trainer.eval_dataloader:  # uneven shards: 7 and 6 prompts, 2 calls each
@@ -173,8 +173,8 @@ def test_greedy_generation_under_zero3_matches_zero0(ranks, toy):
 def reference_logps(root: str, offload: bool) -> dict:
     from strategy.internals import is_zero3_param
     from strategy.trainers import data
-    from strategy.trainers.lm import token_logps
-    from strategy.trainers.recipe import Run
+    from strategy.trainers.losses import token_logps
+    from strategy.trainers.run import Run
 
     with Run.from_args(_argv(root, "ref", ref_offload=offload), grpo=True) as run:
         ref = run.strategy.prepare(run.strategy.from_pretrained(run.model_cfg.pretrain,
@@ -203,7 +203,7 @@ def model_reward_run(root: str) -> dict:
     """GRPO at ZeRO-3 scored by a reward model (an offloaded eval engine): the scores of some
     texts of very different lengths, and the run's history."""
     from strategy.trainers import GRPOTrainer
-    from strategy.trainers.recipe import Run
+    from strategy.trainers.run import Run
 
     argv = _argv(root, "rm_run", zero_stage=3, reward_fn="", reward_pretrain=f"{root}/rm",
                  ref_offload=True, max_steps=2)
@@ -212,7 +212,7 @@ def model_reward_run(root: str) -> dict:
         prompts, completions = ["ab=", "abcdef=", "q="], ["ba", "fedcbaxyzxyz", ""]
         scores = reward(prompts, completions, [{}] * 3)
         reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
-        trainer = run.trainer(GRPOTrainer, run.model(), "prompts", grpo=run.grpo,
+        trainer = run.trainer(GRPOTrainer, run.model(), grpo=run.grpo,
                               ref_model=reference, reward=reward)
         trainer.fit()
     return {"scores": scores, "texts": [p + c for p, c in zip(prompts, completions)],
@@ -283,7 +283,7 @@ CASES = [
 @pytest.mark.parametrize("change,message", CASES, ids=[str(i) for i in range(len(CASES))])
 def test_bad_grpo_setting_fails_before_process_group(toy, monkeypatch, change, message):
     from strategy.errors import ConfigError
-    from strategy.trainers.recipe import Run
+    from strategy.trainers.run import Run
     from tests.support.helpers import forbid_process_group
 
     forbid_process_group(monkeypatch)

@@ -20,6 +20,7 @@ LAYERS = {
     "errors": 0,
     "dtypes": 1,
     "internals": 1,
+    "log": 1,
     "dist": 2,
     "atomic_fs": 2,
     "config": 3,
@@ -187,3 +188,76 @@ def test_ruff_clean():
         text=True,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+# Inside trainers/, concerns import one way too: losses, then data, then the loop, then the
+# algorithms, then the wiring (run) and the package's public names.
+TRAINER_LAYERS = {"config": 0, "losses": 1, "data": 2, "loop": 3, "algorithms": 4, "run": 5,
+                  "recipe": 6}
+
+
+def test_trainer_concerns_import_one_way():
+    bad = []
+    for module, targets in import_graph().items():
+        parts = module.split(".")
+        if len(parts) < 3 or parts[1] != "trainers":
+            continue
+        own = parts[2]
+        assert own in TRAINER_LAYERS, f"{module}: add {own!r} to TRAINER_LAYERS"
+        for target in targets:
+            other = target.split(".")
+            if len(other) < 3 or other[1] != "trainers" or other[2] == own:
+                continue
+            if TRAINER_LAYERS[other[2]] >= TRAINER_LAYERS[own]:
+                bad.append(f"{module} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+BASE_LOOP = PACKAGE / "trainers" / "loop" / "trainer.py"
+
+
+def base_trainer_private_names(source: str) -> set[str]:
+    """Underscored members of ``Trainer``: its methods and the ``self._x`` it assigns."""
+    tree = ast.parse(source)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    names = {f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id == "self" and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def private_uses(source: str, private: set[str], where: str) -> list[str]:
+    """Reads, writes or overrides of ``private`` names in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in private:
+            found.append(f"{where}:{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                        and item.name in private:
+                    found.append(f"{where}:{item.lineno}: overrides {item.name}")
+    return found
+
+
+def test_private_access_detector_catches_a_planted_use():
+    private = base_trainer_private_names(BASE_LOOP.read_text())
+    assert {"_loss_scale", "_micro_counts", "_resume", "_after_step"} <= private
+    planted = ("class GRPO(Trainer):\n    def _resume(self):\n        self._loss_scale = 2\n"
+               "        return trainer._micro_counts\n")
+    assert len(private_uses(planted, private, "planted")) == 3
+
+
+def test_no_module_reaches_into_the_base_trainer():
+    """Built-in trainers, examples and benchmarks use only the public Trainer API: nothing
+    outside the base loop's module overrides or reads an underscored member of ``Trainer``."""
+    private = base_trainer_private_names(BASE_LOOP.read_text())
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "examples").glob("*.py"),
+             *(ROOT / "benchmarks").glob("*.py")]
+    found = []
+    for path in files:
+        if path != BASE_LOOP:
+            found += private_uses(path.read_text(), private, str(path.relative_to(ROOT)))
+    assert not found, "private Trainer members used outside its module:\n" + "\n".join(found)

@@ -9,9 +9,9 @@ import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from strategy.errors import ConfigError
-from strategy.trainers import packing
-from strategy.trainers.dpo import sequence_logps
-from strategy.trainers.rm import packed_scores
+from strategy.trainers.algorithms.dpo import sequence_logps
+from strategy.trainers.algorithms.rm import packed_scores
+from strategy.trainers.data import packing
 from tests.support.models import FAMILIES
 
 SAMPLES = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},

@@ -20,7 +20,7 @@ def toy(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from strategy.demos.toy_task import make
-    from strategy.trainers.recipe import hf_config
+    from strategy.trainers.run import hf_config
 
     root = tmp_path_factory.mktemp("parallel")
     make(str(root / "data"), n_train=96, n_test=13)
@@ -50,7 +50,7 @@ def _argv(root, name: str, sp: int, dataset: str, tp: int = 1, **extra) -> list[
 def train(root: str, name: str, sp: int, kind: str, tp: int = 1, **extra) -> dict:
     from strategy.internals import is_tensor_parallel_param
     from strategy.trainers import DPOTrainer, SFTTrainer
-    from strategy.trainers.recipe import Run
+    from strategy.trainers.run import Run
 
     dataset = "sft" if kind == "sft" else "pairs"
     with Run.from_args(_argv(root, name, sp, dataset, tp, **extra)) as run:
@@ -59,7 +59,7 @@ def train(root: str, name: str, sp: int, kind: str, tp: int = 1, **extra) -> dic
             trainer = run.trainer(SFTTrainer, model)
         else:
             reference = run.strategy.from_pretrained(f"{root}/init")
-            trainer = run.trainer(DPOTrainer, model, "pairs", ref_model=reference, dpo=run.dpo)
+            trainer = run.trainer(DPOTrainer, model, ref_model=reference, dpo=run.dpo)
         final = trainer.fit()
         split = [n for n, p in trainer.model.named_parameters() if is_tensor_parallel_param(p)]
     return {"history": trainer.history, "final": final, "split": split}
@@ -129,7 +129,7 @@ def refused_resume(root: str, name: str) -> str:
     import deepspeed
 
     from strategy.errors import ConfigError
-    from strategy.trainers.recipe import Run
+    from strategy.trainers.run import Run
 
     def reached(*args, **kwargs):
         raise AssertionError("init_distributed was reached")

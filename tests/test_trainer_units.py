@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from strategy.trainers import data as ds
+from strategy.trainers.algorithms.dpo import dpo_loss
+from strategy.trainers.algorithms.rm import pairwise_metrics
+from strategy.trainers.algorithms.sft import response_loss
 from strategy.trainers.config import DataConfig
-from strategy.trainers.dpo import dpo_loss
-from strategy.trainers.rm import pairwise_metrics
-from strategy.trainers.sft import response_loss
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,7 @@ def test_chat_template_wraps_prompt_only(tmp_path, tok):
 
 
 def test_two_turn_chat_scores_assistant_content_and_end_of_turn_only(tok):
-    from strategy.trainers.chat import tokenize_chat
+    from strategy.trainers.data.chat import tokenize_chat
 
     messages = [{"role": "system", "content": "="}, {"role": "user", "content": "ab="},
                 {"role": "assistant", "content": "ba"}, {"role": "user", "content": "cde="},
@@ -217,7 +217,7 @@ def test_chat_rows_load_pack_and_truncate(tmp_path, tok):
     path = _write(tmp_path, [chat, {"input": "ab=", "output": "ba"}, chat])
     rows = ds.load_sft(path, tok, DataConfig(max_len=16))
     assert len(rows) == 3 and rows[0]["labels"].count(-100) == 6  # <user>abc=<assistant>
-    from strategy.trainers.packing import pack
+    from strategy.trainers.data.packing import pack
 
     packed = pack(rows, max_len=16)
     assert sum(len(p["input_ids"]) for p in packed) == sum(len(r["input_ids"]) for r in rows)

@@ -16,7 +16,7 @@ def toy(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from strategy.demos.toy_task import make
-    from strategy.trainers.recipe import hf_config
+    from strategy.trainers.run import hf_config
 
     root = tmp_path_factory.mktemp("toy")
     make(str(root / "data"), n_train=256, n_test=29)  # 29 held out: divides by neither 2 nor 8
@@ -52,7 +52,7 @@ def _argv(stage: int, toy: str, name: str, dataset: str, **extra) -> list[str]:
         ),
         **extra,
     }
-    return [f"--{k}={v}" for k, v in args.items()]
+    return [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items()]
 
 
 def _losses(trainer) -> list[float]:
@@ -63,11 +63,11 @@ def sft_and_rm(stage: int, toy: str) -> dict:
     from transformers import AutoModelForSequenceClassification
 
     from strategy.trainers import RewardModelTrainer, SFTTrainer
-    from strategy.trainers.recipe import Run
+    from strategy.trainers.run import Run
 
     run = Run.from_args(_argv(stage, toy, "sft", "sft", max_epochs=4, learning_rate=3e-3))
     model = run.model()
-    train, held = run.loaders("sft")
+    train, held = run.loaders(SFTTrainer.data)
     batch = next(
         iter(train)
     )  # response-only labels: prompt and padding are -100, the rest are the ids
@@ -93,7 +93,7 @@ def sft_and_rm(stage: int, toy: str) -> dict:
 
     run = Run.from_args(_argv(stage, toy, "rm", "pairs"))
     model = run.model(AutoModelForSequenceClassification, num_labels=1)
-    train, held = run.loaders("pairs")
+    train, held = run.loaders(RewardModelTrainer.data)
     rm = RewardModelTrainer(
         run.strategy,
         model,
@@ -154,13 +154,13 @@ def test_sft_and_reward_model_learn(ranks, toy, stage):
 
 def dpo_and_lora(stage: int, toy: str) -> dict:
     from strategy.trainers import DPOTrainer, SFTTrainer
-    from strategy.trainers.recipe import Run
+    from strategy.trainers.run import Run
 
     run = Run.from_args(
         _argv(stage, toy, "dpo", "pairs", pretrain=f"{toy}/init", learning_rate=1e-3)
     )
     model, reference = run.model(), run.strategy.from_pretrained(f"{toy}/init")
-    train, held = run.loaders("pairs")
+    train, held = run.loaders(DPOTrainer.data)
     dpo = DPOTrainer(
         run.strategy,
         model,
@@ -190,7 +190,7 @@ def dpo_and_lora(stage: int, toy: str) -> dict:
     )
     model = run.model()
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    train, held = run.loaders("sft")
+    train, held = run.loaders(SFTTrainer.data)
     lora = SFTTrainer(
         run.strategy,
         model,
@@ -209,8 +209,8 @@ def dpo_and_lora(stage: int, toy: str) -> dict:
 def _direct_dpo_accuracy(trainer, path: str) -> float:
     """Each held-out pair alone on every rank: is the chosen reward above the rejected one?"""
     from strategy.trainers import data
+    from strategy.trainers.algorithms.dpo import sequence_logps
     from strategy.trainers.config import DataConfig
-    from strategy.trainers.dpo import sequence_logps
 
     rows = data.load_pairs(path, trainer.tokenizer, DataConfig(max_len=16))
     collate, wins = data.collate_pairs(trainer.tokenizer.pad_token_id), 0
@@ -245,15 +245,120 @@ def test_dpo_and_lora_sft_learn(ranks, toy, stage):
 def custom_subclass(toy: str) -> dict:
     from tests.support.helpers import load_example
 
-    argv = _argv(2, toy, "custom", "sft", z_loss=0.01, max_epochs=1)
+    argv = _argv(2, toy, "custom", "sft", focal_gamma=2.0, max_epochs=1)
     return load_example("custom_trainer")(argv)
+
+
+def test_focal_loss_formula():
+    from tests.support.helpers import load_example_module
+
+    focal = load_example_module("custom_trainer")["focal_token_losses"]
+    p = torch.tensor([0.9, 0.5, 0.1])
+    by_hand = torch.tensor([-(0.1**2) * math.log(0.9), -(0.5**2) * math.log(0.5),
+                            -(0.9**2) * math.log(0.1)])
+    assert torch.allclose(focal(p.log(), 2.0), by_hand)
+    assert torch.allclose(focal(p.log(), 0.0), -p.log())  # gamma 0: cross-entropy
 
 
 def test_subclass_overrides_loss_hook(ranks, toy):
     final = ranks.run(custom_subclass, str(toy))[0]
-    assert final["z"] > 0 and final["response_loss"] > 0  # eval ran the subclass's hook
+    assert 0 < final["loss"] < final["ce"] and 0 < final["target_prob"] < 1  # eval ran the hook
     rows = [json.loads(line) for line in open(toy / "2" / "custom" / "logs" / "metrics.jsonl")]
-    train = [r for r in rows if "train/z" in r]
-    assert train and all(
-        r["train/loss"] > r["train/response_loss"] for r in train
-    )  # z-loss was added
+    train = [r for r in rows if "train/ce" in r]
+    assert train and all(0 < r["train/loss"] < r["train/ce"] for r in train)  # focal < CE
+    assert train[-1]["train/ce"] < train[0]["train/ce"]  # and it learns
+
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "data", "ckpt_v0")
+
+
+def resume_v0(root: str) -> tuple[list, dict]:
+    from strategy.trainers import Run, SFTTrainer
+
+    flags = {"zero_stage": 2, "micro_train_batch_size": 4, "train_batch_size": 8,
+             "micro_eval_batch_size": 4, "learning_rate": 3e-3, "lr_warmup_ratio": 0.1,
+             "max_len": 16, "max_epochs": 2, "logging_steps": 1, "save_steps": 7,
+             "ema_beta": 0.9, "tokenizer": f"{FIXTURE}/tokenizer",
+             "model_config": f"{FIXTURE}/model.json", "dataset": f"{FIXTURE}/train.jsonl",
+             "eval_dataset": f"{FIXTURE}/test.jsonl", "save_path": f"{root}/model",
+             "ckpt_path": f"{root}/ckpt", "log_dir": f"{root}/logs"}
+    argv = [f"--{k}={v}" for k, v in flags.items()] + ["--load_checkpoint"]
+    with Run.from_args(argv) as run:
+        trainer = run.trainer(SFTTrainer, run.model())
+        final = trainer.fit()
+    return trainer.history, final
+
+
+def test_checkpoint_written_before_the_trainer_api_resumes(ranks, tmp_path):
+    """A checkpoint saved by the code before issue 19 continues that run's steps 8-10."""
+    import shutil
+
+    shutil.copytree(f"{FIXTURE}/ckpt", tmp_path / "ckpt")
+    expected = json.load(open(f"{FIXTURE}/expected.json"))
+    history, final = ranks.run(resume_v0, str(tmp_path))[0]
+    assert [row["step"] for row in history] == [8, 9, 10]
+    for row in history:
+        step = str(row["step"])
+        assert row["loss"] == pytest.approx(expected["loss"][step], rel=1e-5), step
+        assert row["grad_norm"] == pytest.approx(expected["grad_norm"][step], rel=1e-4), step
+    assert final["loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
+
+
+def actor_critic(toy: str, name: str, **extra) -> list[dict]:
+    """An SFT policy and a value model trained side by side through ``trained_engines``: the
+    critic regresses each row's response length from the same batch."""
+    from transformers import AutoModelForSequenceClassification
+
+    from strategy.trainers import Run, SFTTrainer
+    from strategy.trainers.losses import IGNORE
+    from strategy.trainers.run import hf_config
+
+    class ActorCritic(SFTTrainer):
+        def __init__(self, *args, critic=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            optimizer = self.strategy.create_optimizer(critic)
+            schedule = self.strategy.create_scheduler(optimizer,
+                                                      num_training_steps=self.total_steps())
+            self.critic = self.strategy.prepare((critic, optimizer, schedule))
+
+        def trained_engines(self):
+            return {**super().trained_engines(), "critic": self.critic}
+
+        def loss_counts(self, batch):
+            return {**super().loss_counts(batch), "samples": int(batch["input_ids"].shape[0])}
+
+        def compute_loss(self, batch):
+            loss, metrics = super().compute_loss(batch)
+            value = self.critic(input_ids=batch["input_ids"],
+                                attention_mask=batch["attention_mask"]).logits[:, 0].float()
+            target = (batch["labels"] != IGNORE).sum(-1).float() / 4
+            critic = self.normalize((value - target).pow(2).sum(), "samples")
+            return {"model": loss, "critic": critic}, metrics
+
+    run = Run.from_args(_argv(2, toy, name, "sft", max_steps=4, save_steps=2, **extra))
+    with run:
+        config = hf_config("configs/tiny_llama.json", run.tokenizer, num_labels=1)
+        critic = run.strategy.from_pretrained(config, AutoModelForSequenceClassification)
+        trainer = run.trainer(ActorCritic, run.model(), critic=critic)
+        trainer.fit()
+    return trainer.history
+
+
+def test_two_trained_engines_step_checkpoint_resume_and_export(ranks, toy):
+    import shutil
+
+    full = ranks.run(actor_critic, str(toy), "ac")[0]
+    assert [row["step"] for row in full] == [1, 2, 3, 4]
+    critic = [row["critic_loss"] for row in full]
+    assert all(math.isfinite(c) and c > 0 for c in critic) and len(set(critic)) == 4, critic
+    assert full[-1]["loss"] < full[0]["loss"]  # and so did the policy
+    out = toy / "2" / "ac"
+    assert (out / "model_critic" / "model.safetensors").is_file()  # exported beside the model
+    for ckpt in (out / "ckpt", out / "ckpt_critic"):  # both engines checkpointed, same tags
+        assert (ckpt / "global_step2").is_dir() and (ckpt / "global_step4").is_dir()
+        shutil.rmtree(ckpt / "global_step4")
+        (ckpt / "latest").write_text("global_step2")
+    resumed = ranks.run(actor_critic, str(toy), "ac", load_checkpoint=True)[0]
+    keys = ("step", "loss", "critic_loss", "grad_norm")
+    assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys}
+                                                         for r in full[2:]]

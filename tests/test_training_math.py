@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from strategy.trainers.steps import plan_steps
+from strategy.trainers.loop.steps import plan_steps
 from tests.support.helpers import gathered_state
 from tests.support.models import tiny_llama
 
@@ -73,9 +73,10 @@ def one_step(kind: str, micro: int, accumulation: int | None, weighting: str, ro
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from strategy import DeepSpeedStrategy, OptimConfig, StrategyConfig
-    from strategy.trainers import DPOTrainer, RewardModelTrainer, SFTTrainer, TrainConfig, packing
+    from strategy.trainers import DPOTrainer, RewardModelTrainer, SFTTrainer, TrainConfig
     from strategy.trainers import data as ds
     from strategy.trainers.config import DPOConfig
+    from strategy.trainers.data import packing
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     rng = random.Random(0)
@@ -165,7 +166,7 @@ def _argv(root: str, **extra) -> list[str]:
 
 def multi_epoch(root: str, resume: bool) -> dict:
     from strategy.trainers import SFTTrainer
-    from strategy.trainers.recipe import Run
+    from strategy.trainers.run import Run
 
     with Run.from_args(_argv(root, load_checkpoint=resume, peak_tflops=0.5)) as run:
         trainer = run.trainer(SFTTrainer, run.model())
@@ -233,7 +234,7 @@ def _check_throughput_logs(path) -> None:
 
 def held_out(root: str, micro_eval: int) -> dict:
     from strategy.trainers import SFTTrainer
-    from strategy.trainers.recipe import Run
+    from strategy.trainers.run import Run
 
     argv = _argv(root, micro_eval_batch_size=micro_eval, save_steps=-1,
                  log_dir=f"{root}/eval-logs")
@@ -251,7 +252,7 @@ def _direct_eval_loss(root, state) -> tuple[float, int]:
 
     from strategy.trainers import data as ds
     from strategy.trainers.config import DataConfig
-    from strategy.trainers.recipe import hf_config
+    from strategy.trainers.run import hf_config
 
     tokenizer = AutoTokenizer.from_pretrained(root / "data" / "tokenizer")
     model = AutoModelForCausalLM.from_config(hf_config(str(root / "model.json"), tokenizer)).eval()

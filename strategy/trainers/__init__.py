@@ -1,12 +1,20 @@
-"""Trainers that take a strategy as a dependency: the shared loop with its hooks (``loop``), one
-file per algorithm (SFT, reward model, DPO), their losses as pure functions (``losses``), data
-files to token ids (``data``), step arithmetic (``steps``), their configs, online RL (``grpo``
-with its ``rewards``), and ``recipe.Run``, which builds everything an example needs from flags.
+"""Trainers that take a strategy as a dependency, laid out by concern:
 
-May import: anything in ``strategy``; nothing in ``strategy`` imports from here. The loop never
-branches on rank: the strategy reduces metrics and writes files on rank 0 only.
+- ``loop/``: the ``Trainer`` every trainer subclasses, with its public hooks (read its
+  docstring first), exact metric sums, step arithmetic, throughput figures;
+- ``algorithms/``: SFT, reward model, DPO, GRPO (online RL) and GRPO's rewards, one file each;
+- ``data/``: files to token ids, chats, packing, collation, and the ``DataSpec`` a trainer
+  declares;
+- ``losses/``: pure loss formulas and the language-model forwards behind them;
+- ``config.py``: the trainer-side configs; ``run.py``: ``Run``, which builds a strategy, model,
+  loaders, optimizer and schedule from flags for every example.
+
+May import: anything in ``strategy``; nothing in ``strategy`` imports from here. Inside, imports
+flow losses -> data -> loop -> algorithms -> run. The loop never branches on rank: the strategy
+reduces metrics and writes files on rank 0 only.
 """
 
+from strategy.trainers.algorithms import DPOTrainer, GRPOTrainer, RewardModelTrainer, SFTTrainer
 from strategy.trainers.config import (
     DataConfig,
     DPOConfig,
@@ -15,11 +23,10 @@ from strategy.trainers.config import (
     ModelConfig,
     TrainConfig,
 )
-from strategy.trainers.dpo import DPOTrainer
-from strategy.trainers.grpo import GRPOTrainer
-from strategy.trainers.loop import Trainer
-from strategy.trainers.rm import RewardModelTrainer
-from strategy.trainers.sft import SFTTrainer
+from strategy.trainers.data import DataSpec
+from strategy.trainers.loop import Step, Trainer
+from strategy.trainers.run import Run
 
-__all__ = ["DPOConfig", "DPOTrainer", "DataConfig", "GRPOConfig", "GRPOTrainer", "LoraConfig",
-           "ModelConfig", "RewardModelTrainer", "SFTTrainer", "TrainConfig", "Trainer"]
+__all__ = ["DPOConfig", "DPOTrainer", "DataConfig", "DataSpec", "GRPOConfig", "GRPOTrainer",
+           "LoraConfig", "ModelConfig", "RewardModelTrainer", "Run", "SFTTrainer", "Step",
+           "TrainConfig", "Trainer"]

@@ -14,7 +14,7 @@ import signal
 import torch
 
 from strategy.trainers import SFTTrainer
-from strategy.trainers.recipe import Run
+from strategy.trainers.run import Run
 
 
 class FaultySFT(SFTTrainer):

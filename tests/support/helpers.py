@@ -49,14 +49,19 @@ def make_strategy(
     return strategy
 
 
-def load_example(name: str):
-    """The ``main`` of ``examples/<name>.py``, loaded by path (examples are scripts, not a package).
-    """
+def load_example_module(name: str) -> dict:
+    """The globals of ``examples/<name>.py``, loaded by path (examples are scripts, not a
+    package)."""
     import runpy
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
-    return runpy.run_path(str(path), run_name=f"example_{name}")["main"]
+    return runpy.run_path(str(path), run_name=f"example_{name}")
+
+
+def load_example(name: str):
+    """The ``main`` of ``examples/<name>.py``."""
+    return load_example_module(name)["main"]
 
 
 def forbid_process_group(monkeypatch, world_size: int | None = 2) -> None:

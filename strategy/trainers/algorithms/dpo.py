@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 from strategy.trainers.config import DPOConfig
-from strategy.trainers.lm import token_logps
+from strategy.trainers.data import PAIRS
+from strategy.trainers.data.packing import pair_count, per_sample_sums
 from strategy.trainers.loop import Trainer
-from strategy.trainers.losses import IGNORE, dpo_loss, dpo_losses
-from strategy.trainers.packing import pair_count, per_sample_sums
+from strategy.trainers.losses import IGNORE, dpo_loss, dpo_losses, token_logps
 
 __all__ = ["DPOTrainer", "dpo_loss", "sequence_logps"]
 
@@ -32,7 +32,22 @@ def sequence_logps(model, batch: dict) -> torch.Tensor:
 
 class DPOTrainer(Trainer):
     """Policy trains; ``ref_model`` becomes an eval engine (ZeRO-3 sharded if training is
-    ZeRO-3)."""
+    ZeRO-3).
+
+    Args:
+        strategy: the ``DeepSpeedStrategy``.
+        model: the policy to train.
+        ref_model: the frozen reference.
+        optimizer: the policy's optimizer.
+        scheduler: its learning-rate schedule.
+        train_dataloader: the pair loader (``PAIRS``).
+        eval_dataloader: held-out pairs, or None.
+        config: the ``TrainConfig``.
+        tokenizer: saved with exports and checkpoints.
+        dpo: the ``DPOConfig`` (default: ``DPOConfig()``).
+    """
+
+    data = PAIRS
 
     def __init__(self, strategy, model, ref_model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config=None, tokenizer=None,

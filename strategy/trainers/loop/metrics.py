@@ -11,8 +11,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 
 class MetricSums:
     """Sums of one step's (or one evaluation's) metrics on this rank."""
@@ -55,38 +53,17 @@ class MetricSums:
         return out, total.get("extra", {})
 
 
-def _filler(loader) -> dict:
-    """A real batch for a rank whose shard ran out (its metrics are discarded)."""
+def one_sample_batch(loader) -> dict:
+    """A real batch of one sample (the metrics of a filler batch are discarded)."""
     return loader.collate_fn([loader.dataset[0]])
 
 
-def _lockstep_batches(loader):
-    """(batch, real) pairs: this rank's batches, then fillers up to the longest rank's count."""
+def lockstep_batches(loader):
+    """(batch, real) pairs: this rank's batches, then fillers up to the longest rank's count, so
+    every rank runs the same number of forwards."""
     real = 0
     for batch in loader:
         real += 1
         yield batch, True
     for _ in range(loader.sampler.max_batches(loader.batch_size) - real):
-        yield _filler(loader), False
-
-
-@torch.no_grad()
-def evaluate_lockstep(trainer, loader) -> dict:
-    """Exact held-out metrics: the items every loss averages over are counted over the whole set
-    first (one collective), then each batch's loss is its share of the whole."""
-    counts = dict.fromkeys(trainer.loss_counts(_filler(loader)), 0.0)  # the same keys everywhere
-    batches = 0
-    for batch in loader:
-        batches += 1
-        for key, value in trainer.loss_counts(batch).items():
-            counts[key] = counts.get(key, 0.0) + float(value)
-    totals = trainer.strategy.all_reduce({"counts": counts, "batches": batches}, op="sum",
-                                         group="data")
-    trainer.prepare_eval_counts(totals.get("counts", {}), int(totals["batches"]))
-    sums = MetricSums()
-    for batch, real in _lockstep_batches(loader):
-        batch = trainer.to_device(batch)
-        trainer.set_micro_counts(trainer.loss_counts(batch))
-        batch = trainer.strategy.shard_sequence(batch)
-        sums.add(trainer.eval_metrics(batch), weight=int(real))
-    return sums.reduce(trainer.strategy)[0]
+        yield one_sample_batch(loader), False

@@ -7,10 +7,10 @@ import torch
 
 from strategy.errors import fail
 from strategy.model import base_model
-from strategy.trainers.lm import forward_inputs
+from strategy.trainers.data import PAIRS
+from strategy.trainers.data.packing import pair_count
 from strategy.trainers.loop import Trainer
-from strategy.trainers.losses import pairwise_losses, pairwise_metrics
-from strategy.trainers.packing import pair_count
+from strategy.trainers.losses import forward_inputs, pairwise_losses, pairwise_metrics
 
 __all__ = ["RewardModelTrainer", "pairwise_metrics"]
 
@@ -26,7 +26,18 @@ def packed_scores(model, batch: dict) -> torch.Tensor:
 
 class RewardModelTrainer(Trainer):
     """``AutoModelForSequenceClassification(num_labels=1)`` on pairs collated
-    chosen-then-rejected."""
+    chosen-then-rejected.
+
+    Args:
+        strategy: the ``DeepSpeedStrategy`` (without sequence parallelism).
+        *args: the rest of ``Trainer``'s arguments (model, optimizer, scheduler, loaders...).
+        **kwargs: the same, by keyword.
+
+    Raises:
+        ConfigError: ``sequence_parallel_size`` > 1.
+    """
+
+    data = PAIRS
 
     def __init__(self, strategy, *args, **kwargs) -> None:
         if strategy.config.sequence_parallel_size > 1:
@@ -36,7 +47,14 @@ class RewardModelTrainer(Trainer):
         super().__init__(strategy, *args, **kwargs)
 
     def rewards(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen, rejected) scores; packed rows score each sample at its own last token."""
+        """(chosen, rejected) scores; packed rows score each sample at its own last token.
+
+        Args:
+            batch: a pair micro-batch on the device, chosen rows (or samples) first.
+
+        Returns:
+            ``(chosen, rejected)`` float32 scores, one per pair each.
+        """
         if "last_token" in batch:
             scores = packed_scores(self.model.module, batch)
         else:

@@ -17,17 +17,6 @@ def response_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
     return loss / max(count, 1), count
 
 
-def log_softmax_gather(logits: torch.Tensor,
-                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs of ``labels`` under next-token ``logits``, and the mask of scored
-    tokens."""
-    logits, labels = logits[:, :-1].float(), labels[:, 1:]
-    mask = labels != IGNORE
-    picked = labels.clamp(min=0).unsqueeze(-1)
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, picked).squeeze(-1)
-    return logp * mask, mask
-
-
 def _mean_pair(values: torch.Tensor) -> tuple[float, int]:
     """A metric as (sum, count), so means over many micro-batches and ranks stay exact."""
     return values.float().sum().item(), values.numel()

@@ -31,27 +31,13 @@ from deepspeed.accelerator import get_accelerator
 from transformers import GenerationConfig
 
 from strategy.errors import fail
-from strategy.trainers.aggregate import MetricSums
 from strategy.trainers.config import GRPOConfig
-from strategy.trainers.lm import token_logps
-from strategy.trainers.loop import Trainer
-from strategy.trainers.losses import IGNORE, group_advantages, grpo_token_losses
-from strategy.trainers.steps import StepPlan, plan_steps
+from strategy.trainers.data import PROMPTS
+from strategy.trainers.data.spec import prompts_per_rank
+from strategy.trainers.loop import Step, StepPlan, Trainer, plan_steps
+from strategy.trainers.losses import IGNORE, group_advantages, grpo_token_losses, token_logps
 
 Reward = Callable[[list[str], list[str], list[dict]], list[float]]
-
-
-def prompts_per_rank(strategy_config: Any, world_size: int, group_size: int) -> int:
-    """Prompts each rank samples per rollout: its completions per optimizer step (micro batch x
-    accumulation) in groups of ``group_size``."""
-    per_rank = (strategy_config.micro_train_batch_size
-                * strategy_config.accumulation_steps(world_size))
-    if per_rank % group_size:
-        dp = strategy_config.data_parallel_size(world_size)
-        fail("train_batch_size", strategy_config.train_batch_size,
-             f"each rank's {per_rank} completions per step (micro x accumulation) must divide "
-             f"into groups of group_size={group_size}; use a multiple of {group_size * dp}")
-    return per_rank // group_size
 
 
 def check_grpo(strategy_config: Any, train: Any, grpo: GRPOConfig, max_len: int,
@@ -86,7 +72,31 @@ def sampling_rng(seed: int, step: int, rank: int) -> Iterator[None]:
 
 class GRPOTrainer(Trainer):
     """The policy trains; ``ref_model`` (needed when ``kl_coef`` > 0) becomes an eval engine;
-    ``reward(prompts, completions, rows) -> floats`` scores completions (``rewards``)."""
+    ``reward(prompts, completions, rows) -> floats`` scores completions (``rewards``).
+
+    Built on the public ``Trainer`` hooks: ``train_steps`` runs a rollout and yields it as
+    ``ppo_epochs`` optimizer steps; ``resume_position`` places the prompt sampler by rollouts.
+
+    Args:
+        strategy: the ``DeepSpeedStrategy``.
+        model: the policy to train.
+        optimizer: the policy's optimizer.
+        scheduler: its learning-rate schedule.
+        train_dataloader: the prompt loader (``PROMPTS``).
+        eval_dataloader: held-out prompts, or None.
+        config: the ``TrainConfig``.
+        tokenizer: decodes completions; its eos and pad ids end and pad them.
+        grpo: the ``GRPOConfig`` (required).
+        ref_model: the frozen reference for the KL term (required when ``kl_coef`` > 0).
+        reward: ``reward(prompts, completions, rows) -> floats`` (required).
+        answer_key: the row key of the reference answer for eval ``exact_match`` (None: off).
+
+    Raises:
+        ConfigError: ``grpo`` or ``reward`` is missing, or ``kl_coef`` > 0 without ``ref_model``.
+    """
+
+    data = PROMPTS
+    resume_by_samples = False  # a step consumes completions, not loader samples
 
     def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config=None, tokenizer=None, grpo: GRPOConfig | None = None,
@@ -107,7 +117,17 @@ class GRPOTrainer(Trainer):
     @classmethod
     def plan(cls, strategy, num_samples: int, cfg, grpo: GRPOConfig | None = None,
              **_: Any) -> StepPlan:
-        """Rollouts per epoch from the prompts; each spans ``ppo_epochs`` optimizer steps."""
+        """Rollouts per epoch from the prompts; each spans ``ppo_epochs`` optimizer steps.
+
+        Args:
+            strategy: the strategy (batch sizes, world size).
+            num_samples: prompts in the training data.
+            cfg: the ``TrainConfig`` (epochs, max steps).
+            grpo: the ``GRPOConfig`` (group size, ``ppo_epochs``).
+
+        Returns:
+            The ``StepPlan``, in optimizer steps.
+        """
         per_rollout = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size)
         per_rollout *= strategy.data_parallel_size
         ppo = grpo.ppo_epochs
@@ -119,10 +139,15 @@ class GRPOTrainer(Trainer):
     def step_plan(self) -> StepPlan:
         return self.plan(self.strategy, len(self.train_dataloader.dataset), self.cfg, self.grpo)
 
-    def _resume(self) -> tuple[int, int]:
-        """Resume between rollouts; the prompt sampler is placed by rollouts done."""
-        if not self._load_latest(None):  # prompts are placed by rollouts, below
-            return 0, 0
+    def resume_position(self, state) -> tuple[int, int]:
+        """Resume between rollouts; the prompt sampler is placed by rollouts done.
+
+        Args:
+            state: the strategy's ``ResumeState`` (unused: ``global_step`` places the run).
+
+        Returns:
+            ``(epoch, optimizer steps of that epoch already done)``.
+        """
         ppo = self.grpo.ppo_epochs
         epoch, within = divmod(self.global_step // ppo, self.step_plan.steps_per_epoch // ppo)
         consumed = within * self.per_rank * self.strategy.data_parallel_size
@@ -133,7 +158,16 @@ class GRPOTrainer(Trainer):
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  sample: bool) -> torch.Tensor:
         """Completions (right of the prompts; padded after their end) from the policy. Every rank
-        calls this alike; under ZeRO-3 the ranks keep stepping until all are done."""
+        calls this alike; under ZeRO-3 the ranks keep stepping until all are done.
+
+        Args:
+            prompt_ids: left-padded prompt token ids.
+            prompt_mask: their attention mask.
+            sample: sample at the configured temperature, top-p and top-k (False: greedy).
+
+        Returns:
+            The completion token ids, one row per prompt.
+        """
         g = self.grpo
         settings = dict(max_new_tokens=g.max_new_tokens, do_sample=sample,
                         eos_token_id=self.tokenizer.eos_token_id,
@@ -168,7 +202,14 @@ class GRPOTrainer(Trainer):
 
     def rollout(self, batch: dict) -> tuple[list[dict], dict]:
         """This rank's micro-batches of completions with advantages (and reference log-probs),
-        and the rollout's metrics as (sum, count) pairs."""
+        and the rollout's metrics as (sum, count) pairs.
+
+        Args:
+            batch: this rank's prompts (``prompt_ids``, ``prompt_mask``, ``prompts``, ``rows``).
+
+        Returns:
+            ``(micro-batches, metrics)``.
+        """
         start = time.perf_counter()
         g = self.grpo.group_size
         ids = batch["prompt_ids"].repeat_interleave(g, dim=0).to(self.model.device)
@@ -182,7 +223,7 @@ class GRPOTrainer(Trainer):
         prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
         micro = self.strategy.config.micro_train_batch_size
         batches = [self._micro_batch(prompt_ids[i:i + micro], completions[i:i + micro],
-                                     advantages[i:i + micro])
+                                     advantages[i:i + micro], index=i // micro)
                    for i in range(0, len(completions), micro)]
         if self.ref_model is not None:
             with torch.no_grad():
@@ -201,7 +242,7 @@ class GRPOTrainer(Trainer):
         return batches, metrics
 
     def _micro_batch(self, prompts: list[list[int]], completions: list[list[int]],
-                     advantages: torch.Tensor) -> dict:
+                     advantages: torch.Tensor, index: int) -> dict:
         pad = self.tokenizer.pad_token_id
         ids = [p + c for p, c in zip(prompts, completions)]
         labels = [[IGNORE] * len(p) + c for p, c in zip(prompts, completions)]
@@ -210,7 +251,7 @@ class GRPOTrainer(Trainer):
                 "labels": torch.tensor([x + [IGNORE] * (width - len(x)) for x in labels]),
                 "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x))
                                                 for x in ids]),
-                "advantages": advantages.clone()}
+                "advantages": advantages.clone(), "rollout_index": index}
 
     # ------------------------------------------------------------ update
     def loss_counts(self, batch: dict) -> dict[str, int]:
@@ -220,7 +261,7 @@ class GRPOTrainer(Trainer):
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
         logp, mask = token_logps(self.model, batch, self.grpo.temperature)  # the sampler's
-        key = self._micro_index
+        key = batch["rollout_index"]  # which micro-batch of the rollout
         if key not in self._old_logps:  # the rollout's first update: ratio 1
             self._old_logps[key] = logp.detach()
         ref = batch.get("ref_logp", logp.detach())
@@ -228,35 +269,34 @@ class GRPOTrainer(Trainer):
                                             mask, self.grpo.clip_eps, self.grpo.kl_coef)
         return self.normalize(losses.sum(), "tokens"), metrics
 
-    def _train_epoch(self, epoch: int, steps: int, bar) -> None:
+    def train_steps(self, epoch: int, count: int) -> Iterator[Step]:
+        """A rollout of the next prompts, trained on for ``ppo_epochs`` optimizer steps.
+
+        Args:
+            epoch: the epoch (the sampler is already set to it).
+            count: how many optimizer steps to yield (a multiple of ``ppo_epochs``).
+
+        Yields:
+            ``Step``: the rollout's micro-batches and metrics, ``ppo_epochs`` times per rollout.
+        """
         prompts = iter(self.train_dataloader)
-        for _ in range(steps // self.grpo.ppo_epochs):
+        for _ in range(count // self.grpo.ppo_epochs):
             batches, rollout_metrics = self.rollout(next(prompts))
             self._old_logps = {}
             for _ in range(self.grpo.ppo_epochs):
-                self._update(epoch, batches, rollout_metrics, bar)
-
-    def _update(self, epoch: int, batches: list[dict], rollout_metrics: dict, bar) -> None:
-        """One optimizer step over the whole rollout."""
-        self.model.train()
-        self._loss_scale = self.strategy.loss_scale
-        self.meter.start()
-        start = time.perf_counter()
-        sums = MetricSums()
-        for index, (batch, counts) in enumerate(self._step_batches(iter(batches))):
-            self._micro_index = index
-            self.set_micro_counts(counts)
-            loss, metrics = self.compute_loss(batch)
-            self.strategy.backward(loss, self.model)
-            self.strategy.optimizer_step(self.model)
-            sums.add({"loss": loss.item(), **metrics})
-        sums.add_totals({**rollout_metrics, "update_s": (time.perf_counter() - start, 1)})
-        self._after_step(epoch, sums, bar)
+                yield Step(batches, rollout_metrics)
 
     # ------------------------------------------------------------ evaluation
     def eval_metrics(self, batch: dict) -> dict:
         """Greedy completions of held-out prompts: mean reward, exact match (when rows carry
-        ``answer_key``) and length."""
+        ``answer_key``) and length.
+
+        Args:
+            batch: held-out prompts on the device.
+
+        Returns:
+            ``(sum, count)`` pairs: ``reward``, ``completion_length``, maybe ``exact_match``.
+        """
         completions = self._completions(self.generate(batch["prompt_ids"], batch["prompt_mask"],
                                                       sample=False).cpu())
         texts = self._texts(completions)

@@ -1,4 +1,5 @@
-"""Local JSON/JSONL/Parquet files into token ids: SFT (prompt -> response) and preference pairs."""
+"""Local JSON/JSONL/Parquet files into token ids: SFT (prompt -> response), preference pairs and
+online-RL prompts."""
 
 from __future__ import annotations
 
@@ -7,16 +8,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
-import torch
 
-from strategy import dist
 from strategy.errors import DataError
-from strategy.trainers.chat import check_messages, tokenize_chat
+from strategy.log import get_logger
 from strategy.trainers.config import DataConfig
+from strategy.trainers.data.chat import check_messages, tokenize_chat
 from strategy.trainers.losses import IGNORE
 
-__all__ = ["DataError", "collate_pairs", "collate_prompts", "collate_sft", "load_pairs",
-           "load_prompts", "load_sft", "read_rows"]
+__all__ = ["DataError", "load_pairs", "load_prompts", "load_sft", "read_rows"]
+
+log = get_logger("data")
 
 
 def read_rows(path: str, max_samples: int = -1) -> list[dict]:
@@ -50,9 +51,8 @@ class Stats:
     skipped_bad: list[str] = field(default_factory=list)
 
     def report(self) -> None:
-        dist.print0(f"[data] {self.path}: kept {self.kept}, truncated {self.truncated}, "
-                    f"dropped over max_len {self.dropped_long}, skipped bad rows "
-                    f"{len(self.skipped_bad)}")
+        log.info("%s: kept %d, truncated %d, dropped over max_len %d, skipped bad rows %d",
+                 self.path, self.kept, self.truncated, self.dropped_long, len(self.skipped_bad))
 
 
 def _text(row: dict, key: str, where: str) -> str:
@@ -182,38 +182,3 @@ def load_prompts(path: str, tokenizer: Any, cfg: DataConfig, max_prompt_len: int
 
     out = [kept[-1] for _ in _samples(path, cfg, stats, max_samples, make)]
     return _finish(out, stats, path)
-
-
-def collate_prompts(pad_id: int):
-    """Left-padded prompts (generation appends on the right) with their mask, texts and rows."""
-    def collate(batch: list[dict]) -> dict:
-        width = max(len(b["prompt_ids"]) for b in batch)
-        ids = [[pad_id] * (width - len(b["prompt_ids"])) + b["prompt_ids"] for b in batch]
-        mask = [[0] * (width - len(b["prompt_ids"])) + [1] * len(b["prompt_ids"]) for b in batch]
-        return {"prompt_ids": torch.tensor(ids), "prompt_mask": torch.tensor(mask),
-                "prompts": [b["prompt"] for b in batch], "rows": [b["row"] for b in batch]}
-    return collate
-
-
-def _pad(seqs: list[list[int]], value: int) -> torch.Tensor:
-    width = max(len(seq) for seq in seqs)
-    return torch.tensor([seq + [value] * (width - len(seq)) for seq in seqs])
-
-
-def collate_sft(pad_id: int):
-    """Right-padded rows with their attention mask (packed rows: ``packing.collate_packed``)."""
-    def collate(batch: list[dict]) -> dict:
-        return {"input_ids": _pad([row["input_ids"] for row in batch], pad_id),
-                "labels": _pad([row["labels"] for row in batch], IGNORE),
-                "attention_mask": _pad([[1] * len(row["input_ids"]) for row in batch], 0)}
-    return collate
-
-
-def collate_pairs(pad_id: int):
-    """Chosen rows first, then rejected: one forward pass scores both."""
-    def collate(batch: list[dict]) -> dict:
-        ids = [b["chosen_ids"] for b in batch] + [b["rejected_ids"] for b in batch]
-        labels = [b["chosen_labels"] for b in batch] + [b["rejected_labels"] for b in batch]
-        return {"input_ids": _pad(ids, pad_id), "labels": _pad(labels, IGNORE),
-                "attention_mask": _pad([[1] * len(x) for x in ids], 0)}
-    return collate

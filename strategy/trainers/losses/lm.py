@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from strategy.model import base_model
-from strategy.trainers.losses import IGNORE
+from strategy.trainers.losses.formulas import IGNORE
 
 FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from strategy.trainers.lm import forward_inputs, tiled_loss_sum
+from strategy.trainers.data import SFT
 from strategy.trainers.loop import Trainer
-from strategy.trainers.losses import IGNORE, response_loss
+from strategy.trainers.losses import IGNORE, forward_inputs, response_loss, tiled_loss_sum
 
 __all__ = ["SFTTrainer", "response_loss", "response_tokens"]
 
@@ -23,11 +23,13 @@ class SFTTrainer(Trainer):
     """Causal LM on (prompt, response) or chat samples from ``data.load_sft`` (optionally
     packed)."""
 
+    data = SFT
+
     def loss_counts(self, batch: dict) -> dict[str, int]:
         return {"tokens": response_tokens(batch["labels"])}
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        metrics = {"response_tokens": self._micro_counts["tokens"]}  # of the whole batch
+        metrics = {"response_tokens": self.micro_counts["tokens"]}  # of the whole batch
         return self.normalize(self.loss_sum(batch), "tokens"), metrics
 
     @property
@@ -40,7 +42,14 @@ class SFTTrainer(Trainer):
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
         """Next-token cross-entropy summed over the scored tokens of this micro-batch (of this
-        rank's sequence slice under sequence parallelism)."""
+        rank's sequence slice under sequence parallelism).
+
+        Args:
+            batch: one micro-batch on the device.
+
+        Returns:
+            The summed loss (a scalar tensor; ``normalize`` divides it).
+        """
         if self.tiled:
             length = batch["input_ids"].numel()
             most = int(self.strategy.all_reduce(length, op="max"))

@@ -1,0 +1,13 @@
+"""The algorithms, one file each, all on the public ``Trainer`` API (``trainers.loop``): SFT,
+reward model, DPO, and online RL (GRPO, with its ``rewards``).
+
+May import: ``strategy`` below ``trainers``, and ``trainers.config``, ``losses``, ``data``,
+``loop``; nothing underscored of ``Trainer`` (``tests/test_layout.py`` checks).
+"""
+
+from strategy.trainers.algorithms.dpo import DPOTrainer
+from strategy.trainers.algorithms.grpo import GRPOTrainer
+from strategy.trainers.algorithms.rm import RewardModelTrainer
+from strategy.trainers.algorithms.sft import SFTTrainer
+
+__all__ = ["DPOTrainer", "GRPOTrainer", "RewardModelTrainer", "SFTTrainer"]

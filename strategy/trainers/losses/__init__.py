@@ -1,0 +1,22 @@
+"""The losses: pure formulas of logits, labels and log-probs (``formulas``), and the language-model
+forwards that produce them (``lm``: summed next-token loss, tiled over the vocabulary, per-token
+log-probs).
+
+May import: ``strategy`` below ``trainers`` and nothing else in ``trainers``.
+"""
+
+from strategy.trainers.losses.formulas import (
+    IGNORE,
+    dpo_loss,
+    dpo_losses,
+    group_advantages,
+    grpo_token_losses,
+    pairwise_losses,
+    pairwise_metrics,
+    response_loss,
+)
+from strategy.trainers.losses.lm import forward_inputs, tiled_loss_sum, token_logps
+
+__all__ = ["IGNORE", "dpo_loss", "dpo_losses", "forward_inputs", "group_advantages",
+           "grpo_token_losses", "pairwise_losses", "pairwise_metrics", "response_loss",
+           "tiled_loss_sum", "token_logps"]

@@ -1,0 +1,294 @@
+"""From command-line flags to a ready strategy, tokenizer, model, loaders, optimizer and schedule.
+
+Every example shares this; it validates every setting before the process group starts. ``Run`` is
+a context manager that closes its strategy, even when training raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from transformers import (
+    CONFIG_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+)
+
+from strategy import dist
+from strategy.checkpoint import CheckpointConfig, check_resumable
+from strategy.config import StrategyConfig, parse_configs
+from strategy.deepspeed_strategy import DeepSpeedStrategy
+from strategy.errors import ConfigError
+from strategy.internals import set_attn_implementation
+from strategy.lora import apply_lora, check_targets
+from strategy.optim import OptimConfig
+from strategy.parallel import check_sequence_parallel, check_tensor_parallel
+from strategy.trainers.algorithms.grpo import GRPOConfig, check_grpo
+from strategy.trainers.algorithms.rewards import CallableReward, ModelReward, load_reward_fn
+from strategy.trainers.config import (
+    DataConfig,
+    DPOConfig,
+    LoraConfig,
+    ModelConfig,
+    TrainConfig,
+)
+from strategy.trainers.data import packing
+from strategy.trainers.loop import StepPlan, plan_steps
+
+CONFIG_CLASSES = (StrategyConfig, OptimConfig, CheckpointConfig, ModelConfig, TrainConfig,
+                  DataConfig, LoraConfig, DPOConfig)
+
+
+@dataclass
+class Run:
+    """What a training script needs, built in the right order.
+
+    Attributes:
+        strategy: the started ``DeepSpeedStrategy``.
+        model_cfg: the ``ModelConfig``.
+        train: the ``TrainConfig``.
+        data: the ``DataConfig``.
+        lora: the ``LoraConfig``.
+        dpo: the ``DPOConfig``.
+        tokenizer: the tokenizer (pad token set to eos when it had none).
+        args: the parsed command-line namespace.
+        grpo: the ``GRPOConfig`` (None unless ``from_args(grpo=True)``).
+    """
+
+    strategy: DeepSpeedStrategy
+    model_cfg: ModelConfig
+    train: TrainConfig
+    data: DataConfig
+    lora: LoraConfig
+    dpo: DPOConfig
+    tokenizer: Any = None
+    args: argparse.Namespace | None = None
+    grpo: GRPOConfig | None = None
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None,
+                  parser: argparse.ArgumentParser | None = None, grpo: bool = False) -> Run:
+        """Parse flags and YAML, check everything that can be checked without ranks, then start
+        the strategy.
+
+        Args:
+            argv: the command line without the program name (None: ``sys.argv``).
+            parser: a parser holding the script's own flags, extended with the configs'.
+            grpo: also parse and check ``GRPOConfig`` (online RL scripts).
+
+        Returns:
+            The ``Run``, its strategy's process group started and its tokenizer loaded.
+
+        Raises:
+            ConfigError: a setting is invalid (one line naming it and the fix).
+        """
+        classes = CONFIG_CLASSES + ((GRPOConfig,) if grpo else ())
+        configs, namespace = parse_configs(list(classes), argv, parser)
+        by_type = {type(config): config for config in configs}
+        strategy_cfg, ckpt_cfg = by_type[StrategyConfig], by_type[CheckpointConfig]
+        model_cfg, train_cfg, data_cfg = by_type[ModelConfig], by_type[TrainConfig], \
+            by_type[DataConfig]
+        lora_cfg, grpo_cfg = by_type[LoraConfig], by_type.get(GRPOConfig)
+        check_paths(model_cfg, train_cfg, data_cfg, ckpt_cfg)
+        dist.from_slurm()  # the ranks srun started
+        strategy_cfg.validate_world(dist.get_world_size())  # from the launcher's environment
+        check_model(model_cfg, lora_cfg, data_cfg, strategy_cfg)
+        if grpo_cfg is not None:
+            check_grpo(strategy_cfg, train_cfg, grpo_cfg, data_cfg.max_len, dist.get_world_size())
+            if grpo_cfg.reward_fn:
+                load_reward_fn(grpo_cfg.reward_fn)  # importable and callable, or one line now
+            if grpo_cfg.kl_coef > 0 and model_cfg.pretrain is None:
+                raise ConfigError(f"kl_coef={grpo_cfg.kl_coef} is invalid: the reference is the "
+                                  "--pretrain model; pass --pretrain or set --kl_coef 0")
+        if train_cfg.load_checkpoint:
+            check_resumable(ckpt_cfg.ckpt_path, {
+                "sequence_parallel_size": strategy_cfg.sequence_parallel_size,
+                "tensor_parallel_size": strategy_cfg.tensor_parallel_size})
+        strategy = DeepSpeedStrategy(strategy_cfg, by_type[OptimConfig], ckpt_cfg)
+        strategy.setup_distributed()
+        run = cls(strategy, model_cfg=model_cfg, train=train_cfg, data=data_cfg, lora=lora_cfg,
+                  dpo=by_type[DPOConfig], args=namespace, grpo=grpo_cfg)
+        run.tokenizer = load_tokenizer(model_cfg)
+        return run
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.strategy.__exit__(exc_type, *exc)
+
+    # ------------------------------------------------------------ pieces
+    def model(self, auto_cls: Any = None, lora_task: str = "CAUSAL_LM",
+              modules_to_save: list[str] | None = None, **kwargs: Any):
+        """The model to train (LoRA-wrapped when ``lora_rank`` > 0), partitioned under ZeRO-3.
+
+        Args:
+            auto_cls: the ``transformers`` auto class (default: ``AutoModelForCausalLM``).
+            lora_task: the LoRA task type.
+            modules_to_save: modules LoRA trains fully and saves.
+            **kwargs: passed to ``from_pretrained`` (``--pretrain``) or to the HF config
+                (``--model_config``).
+
+        Returns:
+            The model, from ``--pretrain`` or built from ``--model_config``.
+        """
+        pretrain = self.model_cfg.pretrain
+        attention = {"attn_implementation": self.model_cfg.attn_implementation}
+        if pretrain:
+            model = self.strategy.from_pretrained(pretrain, auto_cls, **attention, **kwargs)
+        else:
+            source = hf_config(self.model_cfg.model_config, self.tokenizer, **kwargs)
+            model = self.strategy.from_pretrained(source, auto_cls, **attention)
+        if self.lora.lora_rank:
+            model = apply_lora(model, self.lora.lora_rank, self.lora.lora_alpha,
+                               self.lora.lora_dropout, self.lora.target_modules, lora_task,
+                               modules_to_save)
+        return model
+
+    def reward(self):
+        """The GRPO reward: the ``reward_fn`` callable, or the reward model as an eval engine.
+
+        Returns:
+            A ``reward(prompts, completions, rows) -> floats`` callable.
+        """
+        if self.grpo.reward_fn:
+            return CallableReward(self.grpo.reward_fn)
+        model = self.strategy.from_pretrained(self.grpo.reward_pretrain,
+                                              AutoModelForSequenceClassification, frozen=True)
+        tokenizer = AutoTokenizer.from_pretrained(self.grpo.reward_pretrain)
+        return ModelReward(self.strategy.prepare(model), tokenizer, self.data.max_len)
+
+    def loaders(self, spec: Any) -> tuple[Any, Any]:
+        """(train, held-out) loaders of the data ``spec`` describes (a trainer's ``data``).
+
+        Args:
+            spec: a ``DataSpec`` (or ``PromptSpec``), e.g. ``SFTTrainer.data``.
+
+        Returns:
+            The training loader and the held-out loader (None without ``--eval_dataset``).
+        """
+        return spec.loaders(self)
+
+    def trainer(self, cls: type, model, **kwargs: Any):
+        """``cls`` (a Trainer subclass) wired with the loaders of the data it declares
+        (``cls.data``), an optimizer and the schedule over its plan.
+
+        Args:
+            cls: the trainer class.
+            model: the model to train (from ``Run.model``).
+            **kwargs: the trainer's own arguments (``ref_model``, ``dpo``, ``grpo``...).
+
+        Returns:
+            The trainer, ready to ``fit()``.
+        """
+        train, held = self.loaders(cls.data)
+        plan = cls.plan(self.strategy, len(train.dataset), self.train, **kwargs)
+        optimizer, scheduler = self.optimizer_and_scheduler(model, plan=plan)
+        return cls(self.strategy, model, optimizer=optimizer, scheduler=scheduler,
+                   train_dataloader=train, eval_dataloader=held, config=self.train,
+                   tokenizer=self.tokenizer, **kwargs)
+
+    def optimizer_and_scheduler(self, model, train_loader: Any = None,
+                                plan: StepPlan | None = None) -> tuple[Any, Any]:
+        """The optimizer, and the schedule over ``plan`` (default: the SFT-style plan of
+        ``train_loader``'s samples).
+
+        Args:
+            model: the model to optimize.
+            train_loader: the training loader, for the default plan.
+            plan: the trainer's ``StepPlan`` (e.g. from its ``plan``).
+
+        Returns:
+            ``(optimizer, scheduler)``.
+        """
+        if plan is None:
+            plan = plan_steps(len(train_loader.dataset), self.strategy.config.train_batch_size,
+                              self.train.max_epochs, self.train.max_steps)
+        optimizer = self.strategy.create_optimizer(model)
+        scheduler = self.strategy.create_scheduler(optimizer,
+                                                   num_training_steps=max(plan.total_steps, 1))
+        return optimizer, scheduler
+
+
+def check_paths(model: ModelConfig, train: TrainConfig, data_cfg: DataConfig,
+                ckpt: CheckpointConfig) -> None:
+    """Fail before any process group starts on inputs that do not exist or outputs not writable."""
+    for name, path in (("dataset", data_cfg.dataset), ("eval_dataset", data_cfg.eval_dataset),
+                       ("model_config", model.model_config)):
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"{name}={path!r} is invalid: no such file; pass an existing path")
+    if data_cfg.dataset is None:
+        raise ConfigError("dataset=None is invalid: pass --dataset FILE (.json, .jsonl or "
+                          ".parquet)")
+    if (model.tokenizer or model.pretrain) is None:
+        raise ConfigError("tokenizer=None is invalid: pass --tokenizer DIR (or --pretrain, which "
+                          "has one)")
+    if ckpt.keep_best_ckpt and data_cfg.eval_dataset is None:
+        raise ConfigError(f"keep_best_ckpt={ckpt.keep_best_ckpt} is invalid: ranking checkpoints "
+                          "needs --eval_dataset; pass one or set keep_best_ckpt 0")
+    for name, path in (("save_path", train.save_path), ("ckpt_path", ckpt.ckpt_path),
+                       ("log_dir", train.log_dir)):
+        if path is not None and not _writable(path):
+            raise ConfigError(f"{name}={path!r} is invalid: cannot create or write it; choose a "
+                              "writable directory")
+
+
+def check_model(model: ModelConfig, lora: LoraConfig, data_cfg: DataConfig,
+                strategy: StrategyConfig) -> None:
+    """What the model's config decides, before any rank starts: LoRA targets (on a weightless
+    meta-device copy), packing, sequence parallelism."""
+    if model.pretrain:
+        config = AutoConfig.from_pretrained(model.pretrain)
+    else:
+        config = hf_config(model.model_config)
+    set_attn_implementation(config, model.attn_implementation)
+    if lora.lora_rank and lora.target_modules.strip() != "all-linear":
+        with torch.device("meta"):
+            check_targets(AutoModelForCausalLM.from_config(config), lora.target_modules)
+    if data_cfg.packing_samples:
+        packing.check_packing_family(config.model_type)
+    sequence = strategy.sequence_parallel_size
+    check_sequence_parallel(config, sequence)
+    check_tensor_parallel(config, strategy.tensor_parallel_size)
+    if sequence > 1 and data_cfg.packing_samples and model.attn_implementation == "sdpa":
+        raise ConfigError(f"packing_samples=True is invalid with sequence_parallel_size={sequence} "
+                          "and sdpa: Ulysses drops masks, so sdpa would attend across packed "
+                          "samples; use --attn_implementation flash_attention_2 (GPU) or no "
+                          "packing")
+
+
+def _writable(path: str) -> bool:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.path.isdir(path) and os.access(path, os.W_OK)
+
+
+def load_tokenizer(model: ModelConfig):
+    tokenizer = AutoTokenizer.from_pretrained(model.tokenizer or model.pretrain)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def hf_config(path: str, tokenizer: Any = None, **kwargs: Any):
+    """An HF config from a JSON file (``model_type`` picks the class), special ids from the
+    tokenizer."""
+    with open(path) as fh:
+        values = json.load(fh)
+    kind = values.pop("model_type", None)
+    if kind not in CONFIG_MAPPING:
+        raise ConfigError(f"model_config={path!r} is invalid: model_type {kind!r} unknown; use "
+                          "e.g. llama, gpt2, qwen2")
+    if tokenizer is not None:
+        values.update(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    values.update(kwargs)
+    return CONFIG_MAPPING[kind](**values)
