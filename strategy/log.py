@@ -112,6 +112,12 @@ def get_logger(topic: str) -> logging.Logger:
 
 
 def print0(*args: object, sep: str = " ", end: str = "\n", flush: bool = True) -> None:
-    """``print`` on rank 0 only, through the package's handler (no prefix). ``flush`` is
-    accepted for ``print``'s sake; every record is flushed."""
+    """``print`` on rank 0 only, through the package's handler (no prefix).
+
+    Args:
+        *args: the values to print (each through ``str``).
+        sep: put between the values.
+        end: put after the last value (a trailing newline is the record's own).
+        flush: accepted for ``print``'s sake; every record is flushed.
+    """
     _ROOT_LOGGER.info(sep.join(str(a) for a in args) + end.removesuffix("\n"))

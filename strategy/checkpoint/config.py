@@ -55,7 +55,17 @@ def validate_limits(max_num: int, max_mem: float, keep_best: int,
 class Retention:
     """Which checkpoints a save keeps; validated on construction. Oldest first, checkpoints (with
     their ``<tag>_hf`` exports) are deleted while more than ``max_num`` or ``max_mem`` GB remain,
-    except the newest and the ``keep_best`` best by the metric each was saved with."""
+    except the newest and the ``keep_best`` best by the metric each was saved with.
+
+    Attributes:
+        max_num: keep at most this many checkpoints (at least 1).
+        max_mem: keep at most this many GB (HF exports beside them included).
+        keep_best: also keep the K checkpoints with the best metric (0: off).
+        higher_is_better: a higher metric is better (accuracy); default lower (loss).
+
+    Raises:
+        ConfigError: a limit is out of range.
+    """
 
     max_num: int = 3  # keep at most this many checkpoints
     max_mem: float = 1000.0  # keep at most this many GB (HF exports beside them included)
@@ -67,7 +77,15 @@ class Retention:
 
     @classmethod
     def from_config(cls, config: CheckpointConfig) -> Retention:
-        """The rules ``config`` sets (``max_ckpt_num``, ``max_ckpt_mem``, ``keep_best_ckpt``,
-        ``best_metric_higher``)."""
+        """The rules ``config`` sets.
+
+        Args:
+            config: its ``max_ckpt_num``, ``max_ckpt_mem``, ``keep_best_ckpt`` and
+                ``best_metric_higher`` become ``max_num``, ``max_mem``, ``keep_best`` and
+                ``higher_is_better``.
+
+        Returns:
+            The ``Retention`` those settings describe.
+        """
         return cls(config.max_ckpt_num, config.max_ckpt_mem, config.keep_best_ckpt,
                    config.best_metric_higher)

@@ -22,20 +22,36 @@ UNIVERSAL = "universal"  # <tag>/universal: DeepSpeed's universal conversion, ma
 
 @dataclass(frozen=True)
 class RunLayout:
-    """What a checkpoint records of the run's shape, for its resume to check and count."""
+    """What a checkpoint records of the run's shape, for its resume to check and count.
+
+    Attributes:
+        sequence_parallel_size: a checkpoint resumes at the size it was saved at.
+        tensor_parallel_size: likewise.
+        samples_per_step: the global batch (None: DeepSpeed's own sample count).
+    """
 
     sequence_parallel_size: int = 1  # a checkpoint resumes at the size it was saved at
     tensor_parallel_size: int = 1  # likewise
     samples_per_step: int | None = None  # the global batch (None: DeepSpeed's own sample count)
 
     def recorded(self) -> dict:
-        """The keys written into ``strategy_state.json`` (the sizes a resume checks)."""
+        """The keys written into ``strategy_state.json`` (the sizes a resume checks).
+
+        Returns:
+            ``sequence_parallel_size`` and ``tensor_parallel_size`` by name.
+        """
         return {"sequence_parallel_size": self.sequence_parallel_size,
                 "tensor_parallel_size": self.tensor_parallel_size}
 
     def mismatch(self, meta: dict) -> tuple[str, int, int] | None:
-        """``(name, saved, now)`` of the first size ``meta`` was saved at that differs from this
-        run's, or None (a checkpoint that records no size was saved at 1)."""
+        """The first recorded size ``meta`` was saved at that differs from this run's.
+
+        Args:
+            meta: a checkpoint's ``strategy_state.json`` (a size it does not record was 1).
+
+        Returns:
+            ``(name, saved, now)`` of that size, or None when every size matches.
+        """
         for name, now in self.recorded().items():
             saved = meta.get(name, 1)
             if saved != now:

@@ -61,8 +61,15 @@ def check_layout(meta: dict, layout: RunLayout, ckpt_dir: str) -> None:
 
 def check_resumable(load_dir: str, layout: RunLayout | dict) -> None:
     """Before any process group starts: the checkpoint a resume would pick was saved at the same
-    sequence- and tensor-parallel sizes (this rank's view of ``load_dir``). ``layout``: the run's
-    (a dict of ``RunLayout``'s fields is taken too)."""
+    sequence- and tensor-parallel sizes (this rank's view of ``load_dir``).
+
+    Args:
+        load_dir: the checkpoint directory (nothing to check when it holds no checkpoint).
+        layout: the run's ``RunLayout`` (a dict of its fields is taken too).
+
+    Raises:
+        ConfigError: the checkpoint was saved at another sequence- or tensor-parallel size.
+    """
     layout = RunLayout(**layout) if isinstance(layout, dict) else layout
     tag = resolve_tag(load_dir, None) if os.path.isdir(load_dir) else None
     if tag is not None:
@@ -88,11 +95,30 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None,
                     dataloader: Any = None, universal: bool | None = None,
                     layout: RunLayout | None = None, node_local: bool = False,
                     ) -> tuple[str | None, dict, ResumeState | None]:
-    """Load on every rank (collective). Returns the checkpoint directory (None: nothing to
-    resume), the caller's client_state and the :class:`ResumeState`. ``universal`` forces (True)
-    or forbids (False) the universal conversion; by default it is used when the world size
-    changed (not for sequence- or tensor-parallel runs: ``layout`` must match the saved one).
-    ``node_local``: each node reads its own copy of ``load_dir``."""
+    """Load on every rank (collective).
+
+    Args:
+        engine: the DeepSpeed engine to load into.
+        load_dir: the directory holding the checkpoints.
+        tag: the checkpoint to load (default: the one ``latest`` names, else the newest complete).
+        load_optimizer_states: also load the optimizer states.
+        load_lr_scheduler_states: also load the LR scheduler's state.
+        dataloader: the run's loader, whose sampler is moved to the resumed position (optional).
+        universal: force (True) or forbid (False) the universal conversion; by default it is
+            used when the world size changed and ZeRO is on.
+        layout: the run's ``RunLayout`` (default ``RunLayout()``); its sequence- and
+            tensor-parallel sizes must match the saved ones.
+        node_local: each node reads its own copy of ``load_dir``.
+
+    Returns:
+        ``(checkpoint directory, client_state, ResumeState)``; ``(None, {}, None)`` when
+        ``load_dir`` holds no checkpoint to resume.
+
+    Raises:
+        ConfigError: ``tag`` is invalid or not complete, or the layout differs from the saved one.
+        CheckpointFileError: a universal load on node-local storage, missing or truncated
+            ``.pt`` files, or DeepSpeed could not load the tag.
+    """
     layout = layout or RunLayout()
     tag = pick_tag(load_dir, tag, node_local)
     if tag is None:

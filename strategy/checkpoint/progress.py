@@ -12,7 +12,15 @@ from strategy.internals import engine_counters
 @dataclass
 class ResumeState:
     """Where a resumed run stands; ``epoch_consumed`` goes to
-    ``sampler.set_epoch(epoch, epoch_consumed)``."""
+    ``sampler.set_epoch(epoch, epoch_consumed)``.
+
+    Attributes:
+        tag: the checkpoint loaded.
+        global_step: optimizer steps done.
+        consumed_samples: global samples consumed by those steps.
+        epoch: the sampler's epoch (None when no dataloader was given).
+        epoch_consumed: global samples of that epoch already consumed (None likewise).
+    """
 
     tag: str  # the checkpoint loaded
     global_step: int  # optimizer steps done
@@ -35,7 +43,20 @@ def progress(engine: Any, dataloader: Any = None, samples_per_step: int | None =
     Every optimizer step consumes ``train_batch_size`` samples and an epoch is a whole number of
     steps (micro-batches left over at its end are dropped, the rule ``trainers.steps`` states),
     so the position follows from the step count (epochs counted from 0). ``samples_per_step``:
-    the run's global batch (DeepSpeed's own sample count counts every tensor-parallel rank)."""
+    the run's global batch (DeepSpeed's own sample count counts every tensor-parallel rank).
+
+    Args:
+        engine: the DeepSpeed engine whose counters are read.
+        dataloader: the run's loader (optional; without it ``epoch`` and ``epoch_consumed`` are
+            None).
+        samples_per_step: the global batch; None uses DeepSpeed's sample count.
+
+    Returns:
+        A dict of ``global_step``, ``consumed_samples``, ``epoch`` and ``epoch_consumed``.
+
+    Raises:
+        ConfigError: ``dataloader``'s sampler cannot record a position.
+    """
     steps, samples, _ = engine_counters(engine)
     if samples_per_step is not None:
         samples = steps * samples_per_step

@@ -99,13 +99,31 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None,
                     write_metadata: Callable[[str], None] | None = None,
                     layout: RunLayout | None = None, node_local: bool = False,
                     rank_files: Callable[[str, int], None] | None = None) -> str:
-    """Save on every rank (collective); returns the checkpoint's directory. ``retention`` (default
-    ``Retention()``) picks what stays once it is published, ``metric`` ranks it for
-    ``keep_best``. ``write_metadata(dir)`` runs on the publisher before publishing (the facade
-    writes the model's config.json there); ``layout`` is recorded for the resume to check. The
-    publisher is rank 0, or with ``node_local`` each node's local rank 0 for its own copy;
-    retention runs once every publisher has published. ``rank_files(dir, rank)`` writes this
-    rank's own extra files (the EMA weights' part) beside DeepSpeed's."""
+    """Save on every rank (collective). The publisher is rank 0, or with ``node_local`` each
+    node's local rank 0 for its own copy; retention runs once every publisher has published.
+
+    Args:
+        engine: the DeepSpeed engine to save, right after an optimizer step.
+        save_dir: the directory holding the checkpoints.
+        tag: the checkpoint's name (default ``global_step<N>``).
+        client_state: the caller's state, given back by ``load_checkpoint``.
+        retention: what stays once it is published (default ``Retention()``).
+        metric: ranks this checkpoint for ``keep_best``.
+        write_metadata: ``write_metadata(dir)`` runs on the publisher before publishing (the
+            facade writes the model's config.json there).
+        layout: the run's ``RunLayout``, recorded for the resume to check (default
+            ``RunLayout()``).
+        node_local: each node writes and publishes its own copy of ``save_dir``.
+        rank_files: ``rank_files(dir, rank)`` writes this rank's own extra files (the EMA
+            weights' part) beside DeepSpeed's.
+
+    Returns:
+        The published checkpoint's directory, ``<save_dir>/<tag>``.
+
+    Raises:
+        ConfigError: ``tag`` is invalid or the engine is mid-accumulation.
+        SaveError: writing failed on some rank (raised on every rank).
+    """
     on_publisher = _on_node_writers if node_local else dist.on_rank_0
     retention = retention or Retention()
     layout = layout or RunLayout()

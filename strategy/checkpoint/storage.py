@@ -67,7 +67,20 @@ def nodes_seeing_token(path: str) -> list[bool]:
 
 def find_storage(path: str, setting: str = "auto", name: str = "checkpoint_storage") -> str:
     """Collective: ``"shared"`` or ``"node_local"`` for ``path``, as ``setting`` asks and the
-    directory allows; logged on rank 0. On one node the two are the same and the setting wins."""
+    directory allows; logged on rank 0. On one node the two are the same and the setting wins.
+
+    Args:
+        path: the checkpoint directory.
+        setting: ``"auto"``, ``"shared"`` or ``"node_local"``.
+        name: the setting's name in error messages.
+
+    Returns:
+        ``"shared"`` or ``"node_local"``.
+
+    Raises:
+        ConfigError: ``setting`` is unknown, ``path`` is shared by only some nodes, or it is of
+            another kind than ``setting`` insists on.
+    """
     if setting not in STORAGE_MODES:
         fail(name, setting, f"use one of {', '.join(STORAGE_MODES)}")
     nodes = dist.get_num_nodes()
@@ -90,7 +103,14 @@ def find_storage(path: str, setting: str = "auto", name: str = "checkpoint_stora
 
 
 def deepspeed_section(mode: str) -> dict:
-    """The DeepSpeed config that makes each node's local rank 0 write the model states too."""
+    """The DeepSpeed config that makes each node's local rank 0 write the model states too.
+
+    Args:
+        mode: ``"shared"`` or ``"node_local"``.
+
+    Returns:
+        ``{"checkpoint": {"use_node_local_storage": ...}}``, True for ``"node_local"``.
+    """
     return {"checkpoint": {"use_node_local_storage": mode == "node_local"}}
 
 
@@ -98,7 +118,11 @@ class CheckpointStorage:
     """The storage kind of each checkpoint directory a run uses, found once per directory.
 
     ``ckpt_path`` is the directory DeepSpeed is configured for; any other directory a run saves to
-    or loads from must be of the same kind."""
+    or loads from must be of the same kind.
+
+    Args:
+        config: the run's checkpoint settings (``ckpt_path``, ``checkpoint_storage``).
+    """
 
     def __init__(self, config: CheckpointConfig) -> None:
         self.config = config
@@ -106,8 +130,18 @@ class CheckpointStorage:
 
     def kind(self, directory: str | None = None) -> str:
         """Collective (the first time per directory): ``"shared"`` or ``"node_local"`` for
-        ``directory`` (default ``ckpt_path``); a directory of another kind than ``ckpt_path``
-        is refused."""
+        ``directory``; a directory of another kind than ``ckpt_path`` is refused.
+
+        Args:
+            directory: the checkpoint directory (default ``ckpt_path``).
+
+        Returns:
+            ``"shared"`` or ``"node_local"``.
+
+        Raises:
+            ConfigError: ``find_storage`` refuses it, or it is of another kind than
+                ``ckpt_path``.
+        """
         path = os.path.abspath(directory or self.config.ckpt_path)
         if path not in self._found:
             self._found[path] = find_storage(path, self.config.checkpoint_storage)
@@ -119,10 +153,21 @@ class CheckpointStorage:
         return self._found[path]
 
     def is_node_local(self, directory: str | None = None) -> bool:
-        """Collective, as ``kind``."""
+        """Collective, as ``kind``.
+
+        Args:
+            directory: the checkpoint directory (default ``ckpt_path``).
+
+        Returns:
+            Whether its kind is ``"node_local"``.
+        """
         return self.kind(directory) == "node_local"
 
     def deepspeed_section(self) -> dict:
         """DeepSpeed's ``checkpoint`` section for ``ckpt_path``'s kind, once any directory's
-        kind is known (``setup_distributed`` finds it); before that, nothing."""
+        kind is known (``setup_distributed`` finds it).
+
+        Returns:
+            The section (see ``deepspeed_section``), or ``{}`` before any kind is known.
+        """
         return deepspeed_section(self.kind()) if self._found else {}

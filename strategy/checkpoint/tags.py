@@ -15,7 +15,18 @@ RESERVED = (LATEST, "latest_universal")
 
 
 def validate_tag(tag: Any) -> str:
-    """A tag is one plain path component, so it cannot escape ``save_dir``."""
+    """A tag is one plain path component, so it cannot escape ``save_dir``.
+
+    Args:
+        tag: the proposed tag (converted with ``str``).
+
+    Returns:
+        The tag as a string.
+
+    Raises:
+        ConfigError: it is not one plain directory name, or it is reserved (``latest``,
+            ``latest_universal``, a name ending in ``_hf``).
+    """
     tag = str(tag)
     if not _TAG.fullmatch(tag):
         fail("tag", tag, "use letters, digits and _ . + = - only, starting with a letter or digit "
@@ -36,7 +47,18 @@ def _read_latest(load_dir: str) -> str | None:
 
 def resolve_tag(load_dir: str, tag: str | None) -> str | None:
     """The complete checkpoint to load: ``tag`` (it must be complete), else the one ``latest``
-    names if complete, else the newest complete one; None when ``load_dir`` holds none."""
+    names if complete, else the newest complete one.
+
+    Args:
+        load_dir: the directory holding the checkpoints.
+        tag: the checkpoint asked for, or None for the newest.
+
+    Returns:
+        The tag, or None when ``load_dir`` holds no complete checkpoint.
+
+    Raises:
+        ConfigError: ``tag`` is invalid or names no complete checkpoint.
+    """
     if tag is not None:
         tag = validate_tag(tag)
         if read_meta(os.path.join(load_dir, tag)) is None:

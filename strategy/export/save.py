@@ -36,7 +36,22 @@ def save_model(model: nn.Module, tokenizer: Any, output_dir: str | Path,
 
     A full model gets ``config.json``, ``generation_config.json``, sharded safetensors (+ index)
     and the tokenizer; a PEFT model its adapter only, or with ``merge_lora=True`` the merged full
-    model. ``dtype`` converts floating tensors on the way out (default: as trained)."""
+    model.
+
+    Args:
+        model: a DeepSpeed engine or an ``nn.Module`` (full or PEFT).
+        tokenizer: saved beside the weights when not None.
+        output_dir: the directory to write; replaced only once the export is complete.
+        max_shard_size: the largest safetensors shard, in bytes or as ``"5GB"``.
+        dtype: converts floating tensors on the way out (default: as trained).
+        merge_lora: write a PEFT model's merged full model instead of its adapter.
+
+    Returns:
+        ``output_dir`` as a ``Path``.
+
+    Raises:
+        SaveError: writing failed on rank 0 (raised on every rank).
+    """
     module = getattr(model, "module", model)
     dtype = resolve_dtype(dtype)
     plan = plan_export(module, dtype, max_shard_size, merge_lora)
