@@ -47,6 +47,12 @@ class DeepSpeedStrategy:
     Use it as a context manager (``with DeepSpeedStrategy(...) as strategy:``) so ``close()`` runs
     even when training raises.
 
+    Args:
+        config: ranks, ZeRO stage, precision, batch sizes (default ``StrategyConfig()``).
+        optim: optimizer and schedule settings (default ``OptimConfig()``).
+        checkpoint: where checkpoints go and how many are kept (default
+            ``CheckpointConfig()``).
+
     Attributes:
         config: the run's ``StrategyConfig``; ``optim`` its ``OptimConfig``, ``checkpoint`` its
             ``CheckpointConfig``.

@@ -71,7 +71,7 @@ def test_every_shipped_config_loads():
             launcher in first for launcher in ("deepspeed", "torchrun", "bash")
         ), f"{path}: no launch command"
         grpo = "train_grpo" in first  # online RL configs also carry GRPOConfig's fields
-        configs, _ = parse_configs(CONFIG_CLASSES + [GRPOConfig] * grpo, ["--config", path])
+        configs, _ = parse_configs(list(CONFIG_CLASSES) + [GRPOConfig] * grpo, ["--config", path])
         configs[0].validate_world(2)  # every shipped config runs at 2 ranks
 
 

@@ -48,7 +48,7 @@ def _argv(root, name: str, sp: int, dataset: str, tp: int = 1, **extra) -> list[
 
 
 def train(root: str, name: str, sp: int, kind: str, tp: int = 1, **extra) -> dict:
-    from strategy.internals import is_tensor_parallel_param
+    from strategy.parallel.tensor import is_tensor_parallel_param
     from strategy.trainers import DPOTrainer, SFTTrainer
     from strategy.trainers.run import Run
 

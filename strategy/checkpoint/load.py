@@ -59,18 +59,17 @@ def check_layout(meta: dict, layout: RunLayout, ckpt_dir: str) -> None:
         fail(name, now, f"{ckpt_dir} was saved at {name}={saved}; resume with the same size")
 
 
-def check_resumable(load_dir: str, layout: RunLayout | dict) -> None:
+def check_resumable(load_dir: str, layout: RunLayout) -> None:
     """Before any process group starts: the checkpoint a resume would pick was saved at the same
     sequence- and tensor-parallel sizes (this rank's view of ``load_dir``).
 
     Args:
         load_dir: the checkpoint directory (nothing to check when it holds no checkpoint).
-        layout: the run's ``RunLayout`` (a dict of its fields is taken too).
+        layout: the run's ``RunLayout``.
 
     Raises:
         ConfigError: the checkpoint was saved at another sequence- or tensor-parallel size.
     """
-    layout = RunLayout(**layout) if isinstance(layout, dict) else layout
     tag = resolve_tag(load_dir, None) if os.path.isdir(load_dir) else None
     if tag is not None:
         check_layout(read_meta(os.path.join(load_dir, tag)), layout, os.path.join(load_dir, tag))

@@ -34,9 +34,12 @@ from strategy.export.metadata import write_export_metadata
 from strategy.export.shards import ShardWriter
 from strategy.export.units import ExportPlan, plan_export
 from strategy.export.zero_reader import TensorInfo, ZeroCheckpoint
+from strategy.log import get_logger
 from strategy.model import unique_state_tensors
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+log = get_logger("export")
 
 
 def find_tag(ckpt_dir: Path, tag: str | None) -> str:
@@ -197,4 +200,4 @@ def main(argv: list[str] | None = None) -> None:
                                 args.merge_lora, args.config_dir)
     except StrategyError as exc:  # one line naming the file or the flag, no traceback
         sys.exit(f"{parser.prog}: error: {exc}")
-    print(f"exported {args.ckpt_dir} (tag {tag}) to {out}", flush=True)
+    log.info("exported %s (tag %s) to %s", args.ckpt_dir, tag, out)

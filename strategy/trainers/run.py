@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from strategy import dist
-from strategy.checkpoint import CheckpointConfig, check_resumable
+from strategy.checkpoint import CheckpointConfig, RunLayout, check_resumable
 from strategy.config import StrategyConfig, parse_configs
 from strategy.deepspeed_strategy import DeepSpeedStrategy
 from strategy.errors import ConfigError
@@ -108,9 +108,9 @@ class Run:
                 raise ConfigError(f"kl_coef={grpo_cfg.kl_coef} is invalid: the reference is the "
                                   "--pretrain model; pass --pretrain or set --kl_coef 0")
         if train_cfg.load_checkpoint:
-            check_resumable(ckpt_cfg.ckpt_path, {
-                "sequence_parallel_size": strategy_cfg.sequence_parallel_size,
-                "tensor_parallel_size": strategy_cfg.tensor_parallel_size})
+            check_resumable(ckpt_cfg.ckpt_path, RunLayout(
+                sequence_parallel_size=strategy_cfg.sequence_parallel_size,
+                tensor_parallel_size=strategy_cfg.tensor_parallel_size))
         strategy = DeepSpeedStrategy(strategy_cfg, by_type[OptimConfig], ckpt_cfg)
         strategy.setup_distributed()
         run = cls(strategy, model_cfg=model_cfg, train=train_cfg, data=data_cfg, lora=lora_cfg,
@@ -146,6 +146,8 @@ class Run:
         else:
             source = hf_config(self.model_cfg.model_config, self.tokenizer, **kwargs)
             model = self.strategy.from_pretrained(source, auto_cls, **attention)
+        if getattr(model.config, "pad_token_id", None) is None:  # saved with the export; a
+            model.config.pad_token_id = self.tokenizer.pad_token_id  # classifier pools by it
         if self.lora.lora_rank:
             model = apply_lora(model, self.lora.lora_rank, self.lora.lora_alpha,
                                self.lora.lora_dropout, self.lora.target_modules, lora_task,
