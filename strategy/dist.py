@@ -23,7 +23,7 @@ import torch
 import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 
-from strategy.errors import ConfigError, RankFailedError
+from strategy.errors import ConfigError, RankFailedError, StrategyError
 from strategy.internals import default_store, shm_allreduce_buffer_path
 from strategy.log import print0  # noqa: F401 - ``print`` on rank 0 only, re-exported
 
@@ -162,8 +162,11 @@ def remove_shm_buffer() -> None:
 
 def _failure_hook(exc_type, exc, tb) -> None:
     """Say which rank failed (and which peer failed first, when a collective broke because of
-    it), then exit at once instead of hanging in teardown, so the launcher stops the others."""
-    _previous_hook(exc_type, exc, tb)
+    it), then exit at once instead of hanging in teardown, so the launcher stops the others. Our
+    own errors (``StrategyError``: a bad setting, file or row) are that one line, without a
+    traceback; anything else shows its traceback first."""
+    if not issubclass(exc_type, StrategyError):
+        _previous_hook(exc_type, exc, tb)
     rank, world = get_rank(), get_world_size()
     first = _failed_peer(rank, world)
     _mark_failed(rank, f"{exc_type.__name__}: {exc}"[:300])
@@ -183,6 +186,25 @@ def install_failure_hook() -> None:
     global _previous_hook
     if sys.excepthook is not _failure_hook:
         _previous_hook, sys.excepthook = sys.excepthook, _failure_hook
+
+
+def install_one_line_errors() -> None:
+    """Before any process group: an uncaught ``StrategyError`` (a bad setting, file or row) is
+    one line on stderr and exit status 2, without a traceback; other errors are untouched. (Once
+    ranks run, ``install_failure_hook`` does this and names the rank.)"""
+    if getattr(sys.excepthook, "strategy_one_line", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb) -> None:
+        if not issubclass(exc_type, StrategyError):
+            return previous(exc_type, exc, tb)
+        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.flush()
+        raise SystemExit(2)
+
+    hook.strategy_one_line = True
+    sys.excepthook = hook
 
 
 def remove_failure_hook() -> None:

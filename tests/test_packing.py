@@ -10,8 +10,8 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForSeque
 
 from strategy.errors import ConfigError
 from strategy.trainers.algorithms.dpo import sequence_logps
-from strategy.trainers.algorithms.rm import packed_scores
 from strategy.trainers.data import packing
+from strategy.trainers.losses import sequence_scores
 from tests.support.models import FAMILIES
 
 SAMPLES = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
@@ -86,4 +86,4 @@ def test_packed_pairs_give_each_samples_logp_and_reward():
         alone = torch.cat([scorer(input_ids=torch.tensor([ids])).logits[:, 0]
                            for ids in [p["chosen_ids"] for p in pairs]
                            + [p["rejected_ids"] for p in pairs]])
-        torch.testing.assert_close(packed_scores(scorer, packed), alone, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sequence_scores(scorer, packed), alone, rtol=1e-5, atol=1e-5)

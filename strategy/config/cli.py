@@ -162,7 +162,8 @@ def parse_configs(classes: Sequence[type], argv: Sequence[str] | None = None,
     Args:
         classes: the config dataclasses to build.
         argv: the command line without the program name; None reads ``sys.argv``.
-        parser: a parser holding the caller's own flags; None starts an empty one.
+        parser: a parser holding the caller's own flags; None starts an empty one. Flags are
+            never abbreviated (``allow_abbrev`` is turned off).
 
     Returns:
         The config instances (in the order of ``classes``) and the parsed namespace.
@@ -170,8 +171,9 @@ def parse_configs(classes: Sequence[type], argv: Sequence[str] | None = None,
     Raises:
         ConfigError: from ``read_yaml`` or ``build_configs``.
     """
-    parser = add_config_args(parser or argparse.ArgumentParser(), *classes)
-    namespace = parser.parse_args(argv)
+    parser = parser or argparse.ArgumentParser()
+    parser.allow_abbrev = False  # `--loss` must not silently become `--loss_weighting`
+    namespace = add_config_args(parser, *classes).parse_args(argv)
     config_path = getattr(namespace, CONFIG_FLAG)
     values = read_yaml(config_path) if config_path else {}
     names = {name for cls in classes for name in _fields(cls)}

@@ -161,8 +161,10 @@ class GRPOConfig:
     ppo_epochs: int = doc("GRPO: optimizer steps per rollout batch (each over all of it)", 1)
     max_new_tokens: int = doc("GRPO: longest completion in tokens", 64)
     temperature: float = doc("GRPO: sampling temperature", 1.0)
-    top_p: float = doc("GRPO: nucleus sampling mass", 1.0)
-    top_k: int = doc("GRPO: sample among the k likeliest tokens (0: all)", 0)
+    top_p: float = doc("GRPO: nucleus sampling mass (< 1: samples from the head, while the "
+                       "log-probs stay those of the whole distribution, as in TRL)", 1.0)
+    top_k: int = doc("GRPO: sample among the k likeliest tokens (0: all; > 0: the log-probs "
+                     "stay those of the whole distribution, as in TRL)", 0)
     advantage_eps: float = doc("GRPO: added to a group's reward std before dividing", 1e-4)
 
     def __post_init__(self) -> None:

@@ -89,6 +89,7 @@ class Run:
         Raises:
             ConfigError: a setting is invalid (one line naming it and the fix).
         """
+        dist.install_one_line_errors()  # a bad setting is one line on stderr, no traceback
         classes = CONFIG_CLASSES + ((GRPOConfig,) if grpo else ())
         configs, namespace = parse_configs(list(classes), argv, parser)
         by_type = {type(config): config for config in configs}

@@ -7,7 +7,11 @@ steps, each over the whole rollout: the clipped policy-gradient loss plus ``kl_c
 KL to a frozen reference, every completion token of the step weighing the same (the loop's
 token-weighted ``normalize``). The first step's log-probs become the "old" ones (ratio 1).
 Log-probs (policy and reference) are taken at the sampling temperature: the ratio and the KL are
-those of the distribution the completions were drawn from.
+those of the distribution the completions were drawn from when ``top_p`` is 1 and ``top_k`` 0
+(the defaults). Truncated sampling (``top_p`` < 1 or ``top_k`` > 0) draws from the renormalized
+head of that distribution while the log-probs stay those of the whole one (as in TRL). Nothing
+else shapes the sampling: the checkpoint's ``generation_config`` (a ``repetition_penalty``,
+``min_p``...) is set aside while generating.
 
 Generation under ZeRO-3 runs DeepSpeed's own partitioned forward (each layer's parameters
 gathered when it runs and released after; ``synced_gpus`` keeps every rank stepping until all
@@ -31,6 +35,7 @@ from deepspeed.accelerator import get_accelerator
 from transformers import GenerationConfig
 
 from strategy.errors import fail
+from strategy.model import base_model
 from strategy.trainers.config import GRPOConfig
 from strategy.trainers.data import PROMPTS
 from strategy.trainers.data.spec import prompts_per_rank
@@ -175,7 +180,11 @@ class GRPOTrainer(Trainer):
         if sample:
             settings.update(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
         module = self.model.module
-        training = module.training
+        training, hf_model = module.training, base_model(module)
+        # generate() fills every unset field from the checkpoint's generation_config (a
+        # repetition_penalty or min_p there would reshape the distribution the log-probs do not
+        # account for): a blank one leaves exactly the settings above
+        saved, hf_model.generation_config = hf_model.generation_config, GenerationConfig()
         module.eval()
         try:
             out = module.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
@@ -183,6 +192,7 @@ class GRPOTrainer(Trainer):
                                   synced_gpus=self.strategy.config.zero_stage == 3
                                   and self.strategy.world_size > 1)
         finally:
+            hf_model.generation_config = saved
             module.train(training)
         return out[:, prompt_ids.shape[1]:]
 
@@ -196,8 +206,15 @@ class GRPOTrainer(Trainer):
     def _texts(self, completions: list[list[int]]) -> list[str]:
         return self.tokenizer.batch_decode(completions, skip_special_tokens=True)
 
-    def _score(self, prompts: list[str], texts: list[str], rows: list[dict]) -> torch.Tensor:
-        rewards = self.strategy.checked(self.reward, prompts, texts, rows)  # alike on every rank
+    def _score(self, prompts: list[str], completions: list[list[int]],
+               rows: list[dict]) -> torch.Tensor:
+        """Rewards of decoded completions; a reward model also learns which ended with EOS (it
+        scores them at its own EOS, where it was trained)."""
+        texts, args = self._texts(completions), ()
+        if getattr(self.reward, "scores_eos", False):
+            eos = self.tokenizer.eos_token_id
+            args = ([bool(c) and c[-1] == eos for c in completions],)
+        rewards = self.strategy.checked(self.reward, prompts, texts, rows, *args)  # every rank
         return torch.tensor(rewards, dtype=torch.float32)
 
     def rollout(self, batch: dict) -> tuple[list[dict], dict]:
@@ -218,7 +235,7 @@ class GRPOTrainer(Trainer):
             completions = self._completions(self.generate(ids, mask, sample=True).cpu())
         prompts = [p for p in batch["prompts"] for _ in range(g)]
         rows = [r for r in batch["rows"] for _ in range(g)]
-        rewards = self._score(prompts, self._texts(completions), rows)
+        rewards = self._score(prompts, completions, rows)
         advantages = group_advantages(rewards, g, self.grpo.advantage_eps)
         prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
         micro = self.strategy.config.micro_train_batch_size
@@ -300,7 +317,7 @@ class GRPOTrainer(Trainer):
         completions = self._completions(self.generate(batch["prompt_ids"], batch["prompt_mask"],
                                                       sample=False).cpu())
         texts = self._texts(completions)
-        rewards = self._score(batch["prompts"], texts, batch["rows"])
+        rewards = self._score(batch["prompts"], completions, batch["rows"])
         n = len(texts)
         out = {"reward": (rewards.sum().item(), n),
                "completion_length": (float(sum(len(c) for c in completions)), n)}

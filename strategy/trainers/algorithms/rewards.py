@@ -4,7 +4,9 @@ A callable is found (imported, checked callable) before any process group starts
 called as ``f(prompt, completion, row) -> float`` for each completion; the first value that is
 not a finite number stops every rank with a line naming the prompt. A reward model
 (``AutoModelForSequenceClassification``, one label, as ``RewardModelTrainer`` trains) runs as an
-eval engine and scores prompt + completion at its last token, re-tokenized with its own tokenizer.
+eval engine and scores prompt + completion re-tokenized with its own tokenizer exactly as its
+training data was (prompt and response tokenized apart, the response closed by its EOS when the
+completion ended), at that EOS: the position ``RewardModelTrainer`` trained it on.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from strategy.errors import DataError, fail
+from strategy.trainers.losses import sequence_scores
 
 
 def load_reward_fn(spec: str) -> Callable[[str, str, dict], float]:
@@ -60,18 +63,31 @@ class CallableReward:
 
 class ModelReward:
     """A reward model's score of each prompt + completion (an eval engine; same number of
-    forwards on every rank: one per call)."""
+    forwards on every rank: one per call). ``scores_eos``: GRPO tells it which completions ended
+    with the policy's EOS, and those are scored at the reward model's own EOS."""
+
+    scores_eos = True
 
     def __init__(self, engine, tokenizer, max_len: int) -> None:
         self.engine, self.tokenizer, self.max_len = engine, tokenizer, max_len
 
+    def token_ids(self, prompt: str, completion: str, ended: bool) -> list[int]:
+        """The ids the reward model trained on for this pair, their end kept under ``max_len``."""
+        encode = self.tokenizer
+        ids = encode(prompt, add_special_tokens=False)["input_ids"]
+        ids = ids + encode(completion, add_special_tokens=False)["input_ids"]
+        return (ids + [self.tokenizer.eos_token_id] * ended)[-self.max_len:]
+
     @torch.no_grad()
-    def __call__(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
-        texts = [p + c for p, c in zip(prompts, completions)]
-        self.tokenizer.padding_side = "right"
-        encoded = self.tokenizer(texts, add_special_tokens=False, padding=True, truncation=True,
-                                 max_length=self.max_len, return_tensors="pt")
+    def __call__(self, prompts: list[str], completions: list[str], rows: list[dict],
+                 ended: list[bool] | None = None) -> list[float]:
+        ended = ended if ended is not None else [False] * len(prompts)
+        ids = [self.token_ids(p, c, e) for p, c, e in zip(prompts, completions, ended)]
+        width = max(len(x) for x in ids)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         device = self.engine.device
-        logits = self.engine(input_ids=encoded["input_ids"].to(device),
-                             attention_mask=encoded["attention_mask"].to(device)).logits
-        return [float(score) for score in logits[:, 0].float().cpu()]
+        batch = {"input_ids": torch.tensor([x + [pad] * (width - len(x)) for x in ids],
+                                           device=device),
+                 "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x))
+                                                 for x in ids], device=device)}
+        return [float(score) for score in sequence_scores(self.engine.module, batch).cpu()]

@@ -1,27 +1,18 @@
 """Reward model: pairwise loss -logsigmoid(r_chosen - r_rejected) on a scalar head, every pair of
-a step weighing the same."""
+a step weighing the same. Each sequence is scored at its last attended token, the EOS that ends
+prompt + response (``losses.sequence_scores``), packed or not, whatever the pad token."""
 
 from __future__ import annotations
 
 import torch
 
 from strategy.errors import fail
-from strategy.model import base_model
 from strategy.trainers.data import PAIRS
 from strategy.trainers.data.packing import pair_count
 from strategy.trainers.loop import Trainer
-from strategy.trainers.losses import forward_inputs, pairwise_losses, pairwise_metrics
+from strategy.trainers.losses import pairwise_losses, pairwise_metrics, sequence_scores
 
 __all__ = ["RewardModelTrainer", "pairwise_metrics"]
-
-
-def packed_scores(model, batch: dict) -> torch.Tensor:
-    """Each packed sample's score, from the backbone's hidden state at its own last token (the
-    model's pooled output would take one token per row)."""
-    model = base_model(model)
-    states = getattr(model, model.base_model_prefix)(**forward_inputs(batch)).last_hidden_state
-    picked = states.reshape(-1, states.shape[-1])[batch["last_token"]]
-    return model.score(picked)[:, 0]
 
 
 class RewardModelTrainer(Trainer):
@@ -47,7 +38,8 @@ class RewardModelTrainer(Trainer):
         super().__init__(strategy, *args, **kwargs)
 
     def rewards(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen, rejected) scores; packed rows score each sample at its own last token.
+        """(chosen, rejected) scores, each at its sequence's last attended token (packed: each
+        sample's own last token).
 
         Args:
             batch: a pair micro-batch on the device, chosen rows (or samples) first.
@@ -55,10 +47,7 @@ class RewardModelTrainer(Trainer):
         Returns:
             ``(chosen, rejected)`` float32 scores, one per pair each.
         """
-        if "last_token" in batch:
-            scores = packed_scores(self.model.module, batch)
-        else:
-            scores = self.model(**forward_inputs(batch)).logits[:, 0]
+        scores = sequence_scores(self.model.module, batch)
         half = scores.shape[0] // 2
         return scores[:half].float(), scores[half:].float()
 

@@ -15,8 +15,14 @@ from strategy.trainers.losses.formulas import (
     pairwise_metrics,
     response_loss,
 )
-from strategy.trainers.losses.lm import forward_inputs, tiled_loss_sum, token_logps
+from strategy.trainers.losses.lm import (
+    forward_inputs,
+    last_attended,
+    sequence_scores,
+    tiled_loss_sum,
+    token_logps,
+)
 
 __all__ = ["IGNORE", "dpo_loss", "dpo_losses", "forward_inputs", "group_advantages",
-           "grpo_token_losses", "pairwise_losses", "pairwise_metrics", "response_loss",
-           "tiled_loss_sum", "token_logps"]
+           "grpo_token_losses", "last_attended", "pairwise_losses", "pairwise_metrics",
+           "response_loss", "sequence_scores", "tiled_loss_sum", "token_logps"]

@@ -1,6 +1,10 @@
 """Language-model forwards the trainers share: next-token targets with or without sequence
 parallelism, the summed loss (plain, or tiled so the [tokens, vocab] logits never exist at once),
-and per-token log-probabilities.
+per-token log-probabilities, and a reward model's score of each sequence.
+
+A reward model scores one position: the last attended token of each row (the EOS that ends
+prompt + response; left or right padding alike), or each packed sample's own last token. Never
+"the last token that is not ``pad_token_id``", which is the token before EOS when pad == eos.
 
 A sequence-parallel slice carries ``shift_labels`` (labels already shifted, aligned with its own
 positions); a plain batch carries ``labels`` (the model shifts them). Tiled: the backbone's hidden
@@ -78,3 +82,32 @@ def token_logps(engine, batch: dict,
     picked = targets.clamp(min=0).unsqueeze(-1)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, picked).squeeze(-1)
     return logp * mask, mask
+
+
+def last_attended(mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last position whose ``mask`` is 1 (right or left padding)."""
+    return mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)
+
+
+def sequence_scores(model, batch: dict) -> torch.Tensor:
+    """A reward model's score of each row at its last attended token, or of each packed sample
+    at its own last token (``last_token``: flat indices into the packed rows).
+
+    Args:
+        model: an ``AutoModelForSequenceClassification`` (1 label), bare, PEFT-wrapped or the
+            ``module`` of an engine.
+        batch: ``input_ids`` with an ``attention_mask``, or packed rows with ``position_ids``
+            and ``last_token``.
+
+    Returns:
+        One float32 score per row (per packed sample).
+    """
+    model = base_model(model)
+    backbone = getattr(model, model.base_model_prefix)
+    states = backbone(**forward_inputs(batch)).last_hidden_state
+    if "last_token" in batch:
+        picked = states.reshape(-1, states.shape[-1])[batch["last_token"]]
+    else:
+        rows = torch.arange(states.shape[0], device=states.device)
+        picked = states[rows, last_attended(batch["attention_mask"])]
+    return model.score(picked)[:, 0].float()
