@@ -5,6 +5,8 @@ import pytest
 from tests.support.ranks import Ranks, shm_buffers
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ[_switch] = "1"  # nothing in the tests may reach a hub
 
 
 @pytest.fixture(scope="session")

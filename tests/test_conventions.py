@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import datasets
 import pytest
 import torch
 
@@ -35,15 +36,24 @@ def real(tmp_path_factory):
     scorer.save_pretrained(root / "rm_init")
     for name in ("init", "noisy", "rm_init"):
         tok.save_pretrained(root / name)
+    (root / "prefs" / "data").mkdir(parents=True)  # TRL's conversational pairs, Hub repo layout
+    for split in ("train", "test"):
+        rows = [json.loads(line) for line in open(root / "data" / f"pairs_{split}.jsonl")]
+        turns = [{"chosen": [{"role": "user", "content": r["prompt"]},
+                             {"role": "assistant", "content": r["chosen"]}],
+                  "rejected": [{"role": "user", "content": r["prompt"]},
+                               {"role": "assistant", "content": r["rejected"]}]} for r in rows]
+        datasets.Dataset.from_list(turns).to_parquet(
+            str(root / "prefs" / "data" / f"{split}-00000-of-00001.parquet"))
     return root
 
 
-def _argv(root, name: str, dataset: str, **extra) -> list[str]:
+def _argv(root, name: str, data: str, **extra) -> list[str]:
     args = {"zero_stage": 2, "micro_train_batch_size": 4, "train_batch_size": 16,
             "micro_eval_batch_size": 4, "learning_rate": 1e-3, "lr_warmup_ratio": 0.0,
             "max_len": 24, "max_steps": 3, "max_epochs": 5, "logging_steps": 1,
-            "dataset": f"{root}/data/{dataset}_train.jsonl".replace("sft_", ""),
-            "eval_dataset": f"{root}/data/{dataset}_test.jsonl".replace("sft_", ""),
+            "dataset": f"{root}/data/{data}_train.jsonl".replace("sft_", ""),
+            "eval_dataset": f"{root}/data/{data}_test.jsonl".replace("sft_", ""),
             "save_path": f"{root}/{name}/model", "ckpt_path": f"{root}/{name}/ckpt",
             "log_dir": f"{root}/{name}/logs", **extra}
     return [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items()]
@@ -141,7 +151,8 @@ def preference_and_chat(root: str) -> dict:
     from strategy.trainers import DPOTrainer, Run, SFTTrainer
 
     out = {}
-    argv = _argv(root, "dpo", "pairs", pretrain=f"{root}/init", tokenizer=f"{root}/tok")
+    argv = _argv(root, "dpo", "pairs", pretrain=f"{root}/init", tokenizer=f"{root}/tok",
+                 dataset=f"{root}/prefs", eval_dataset=f"{root}/prefs")  # its test split
     with Run.from_args(argv) as run:
         reference = run.strategy.from_pretrained(f"{root}/init", frozen=True)
         trainer = run.trainer(DPOTrainer, run.model(), ref_model=reference, dpo=run.dpo)
@@ -160,7 +171,7 @@ def test_dpo_and_chat_sft_run_on_checkpoint_conventions(ranks, real):
     from transformers import AutoTokenizer
 
     out = ranks.run(preference_and_chat, str(real))[0]
-    final, history = out["dpo"]
+    final, history = out["dpo"]  # conversational pairs from a Hub-layout folder, 2 splits
     assert [r["step"] for r in history] == [1, 2, 3]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in history) and "loss" in final
     _, history, ids, labels = out["chat"]

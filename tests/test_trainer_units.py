@@ -127,8 +127,8 @@ def test_bad_files(tmp_path, tok):
     bad.write_text("{not json\n")
     with pytest.raises(ds.DataError, match="cannot be read as json"):
         ds.load_sft(str(bad), tok, DataConfig())
-    with pytest.raises(ds.DataError, match="unknown extension '.csv'"):
-        ds.load_sft(_write(tmp_path, [], "d.csv"), tok, DataConfig())
+    with pytest.raises(ds.DataError, match="unknown extension '.txt'"):
+        ds.load_sft(_write(tmp_path, [], "d.txt"), tok, DataConfig())
 
 
 def test_skips_and_overlong_policies_are_counted(tmp_path, tok, capsys):

@@ -81,8 +81,18 @@ class TrainConfig:
 class DataConfig:
     """Where samples come from and how they become token ids."""
 
-    dataset: str | None = doc("training file: .json, .jsonl or .parquet", None)
-    eval_dataset: str | None = doc("held-out file in the same format (optional)", None)
+    dataset: str | None = doc("training data: what datasets.load_dataset takes (a .json/.jsonl/"
+                              ".parquet/.csv/.arrow file, a glob of them, a local dataset folder "
+                              "or Hub id) or a save_to_disk folder; several comma-separated are "
+                              "mixed (--dataset_probs)", None)
+    eval_dataset: str | None = doc("held-out data, the same forms (optional)", None)
+    dataset_split: str = doc("split of --dataset to train on (folders and Hub ids; a file or "
+                             "glob is one split)", "train")
+    eval_split: str = doc("split of --eval_dataset (folders and Hub ids)", "test")
+    dataset_probs: str | None = doc("comma-separated sampling weights of the --dataset list, "
+                                    "e.g. 0.7,0.3 (seeded; default: concatenated)", None)
+    input_template: str | None = doc("wrap each prompt, e.g. 'User: {}\\nAssistant: ' (no chat "
+                                     "template)", None)
     input_key: str = doc("SFT: field holding the prompt", "input")
     output_key: str = doc("SFT: field holding the response", "output")
     prompt_key: str = doc("RM/DPO: field holding the prompt", "prompt")
@@ -106,6 +116,34 @@ class DataConfig:
             fail("overlong", self.overlong, "use truncate, drop or error")
         if self.max_samples == 0 or self.max_samples < -1:
             fail("max_samples", self.max_samples, "use a positive count, or -1 for all")
+        if self.input_template is not None and "{}" not in self.input_template:
+            fail("input_template", self.input_template, "put {} where the prompt goes")
+        if self.input_template and self.apply_chat_template:
+            fail("input_template", self.input_template, "pass it or --apply_chat_template, "
+                 "not both")
+        if self.dataset_probs is not None:
+            self.probabilities()
+
+    def probabilities(self) -> list[float] | None:
+        """The ``--dataset_probs`` weights, one per ``--dataset`` entry (None: concatenate).
+
+        Returns:
+            The weights normalized to sum 1, or None.
+
+        Raises:
+            ConfigError: not one positive number per dataset.
+        """
+        if self.dataset_probs is None:
+            return None
+        names = (self.dataset or "").split(",")
+        try:
+            probs = [float(p) for p in self.dataset_probs.split(",")]
+        except ValueError:
+            fail("dataset_probs", self.dataset_probs, "use comma-separated numbers, e.g. 0.7,0.3")
+        if len(probs) != len(names) or min(probs) <= 0:
+            fail("dataset_probs", self.dataset_probs, f"give one positive weight for each of the "
+                 f"{len(names)} datasets in --dataset")
+        return [p / sum(probs) for p in probs]
 
 
 @dataclass(frozen=True)

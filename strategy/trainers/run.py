@@ -7,6 +7,7 @@ a context manager that closes its strategy, even when training raises.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from strategy.trainers.config import (
     TrainConfig,
 )
 from strategy.trainers.data import packing
+from strategy.trainers.data.files import hub_name
 from strategy.trainers.loop import StepPlan, plan_steps
 
 CONFIG_CLASSES = (StrategyConfig, OptimConfig, CheckpointConfig, ModelConfig, TrainConfig,
@@ -223,13 +225,18 @@ class Run:
 def check_paths(model: ModelConfig, train: TrainConfig, data_cfg: DataConfig,
                 ckpt: CheckpointConfig) -> None:
     """Fail before any process group starts on inputs that do not exist or outputs not writable."""
-    for name, path in (("dataset", data_cfg.dataset), ("eval_dataset", data_cfg.eval_dataset),
-                       ("model_config", model.model_config)):
-        if path is not None and not os.path.isfile(path):
-            raise ConfigError(f"{name}={path!r} is invalid: no such file; pass an existing path")
+    if model.model_config is not None and not os.path.isfile(model.model_config):
+        raise ConfigError(f"model_config={model.model_config!r} is invalid: no such file; pass an "
+                          "existing path")
     if data_cfg.dataset is None:
-        raise ConfigError("dataset=None is invalid: pass --dataset FILE (.json, .jsonl or "
-                          ".parquet)")
+        raise ConfigError("dataset=None is invalid: pass --dataset (a .json/.jsonl/.parquet file, "
+                          "a dataset folder or a Hub id)")
+    for name, value in (("dataset", data_cfg.dataset), ("eval_dataset", data_cfg.eval_dataset)):
+        for source in (value or "").split(",") if value else []:
+            if not _dataset_source_exists(source.strip()):
+                raise ConfigError(f"{name}={value!r} is invalid: no such file, folder or matching "
+                                  f"pattern ({source.strip()!r}); pass an existing path or a Hub "
+                                  "dataset id")
     if (model.tokenizer or model.pretrain) is None:
         raise ConfigError("tokenizer=None is invalid: pass --tokenizer DIR (or --pretrain, which "
                           "has one)")
@@ -265,6 +272,12 @@ def check_model(model: ModelConfig, lora: LoraConfig, data_cfg: DataConfig,
                           "and sdpa: Ulysses drops masks, so sdpa would attend across packed "
                           "samples; use --attn_implementation flash_attention_2 (GPU) or no "
                           "packing")
+
+
+def _dataset_source_exists(source: str) -> bool:
+    """A local file, folder or glob with matches; or a name only the Hub can resolve (checked
+    when it loads)."""
+    return os.path.exists(source) or bool(glob.glob(source)) or hub_name(source)
 
 
 def _writable(path: str) -> bool:

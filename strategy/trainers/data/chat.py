@@ -68,3 +68,35 @@ def tokenize_chat(tokenizer: Any, messages: list[dict], where: str) -> tuple[lis
         end = len(before) + _scored_span(through[len(before):], special)
         labels[len(before):end] = ids[len(before):end]
     return ids, labels
+
+
+def as_messages(value: Any, role: str, where: str) -> list[dict]:
+    """A turn list as it is, or a string as one turn of ``role`` (TRL's rows mix both)."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list):
+        return value
+    raise DataError(f"{where}: expected text or a list of {{role, content}} turns, got "
+                    f"{type(value).__name__}; fix the row")
+
+
+def tokenize_chat_response(tokenizer: Any, prompt: list[dict], response: list[dict],
+                           where: str) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of ``prompt`` then ``response`` turns, only the response's assistant
+    turns scored (TRL's prompt/completion and preference rows)."""
+    messages = check_messages(prompt + response, where)
+    if not any(turn["role"] == "assistant" for turn in response):
+        raise DataError(f"{where}: the response has no assistant turn; fix the row")
+    ids, labels = tokenize_chat(tokenizer, messages, where)
+    start = len(_render(tokenizer, prompt, generation_prompt=True))
+    return ids, [IGNORE] * start + labels[start:]
+
+
+def split_conversations(chosen: list[dict], rejected: list[dict]) -> tuple[list, list, list]:
+    """(shared prompt turns, chosen's rest, rejected's rest) of two conversations that share
+    their beginning (preference rows without a separate prompt)."""
+    shared = 0
+    while (shared < min(len(chosen), len(rejected)) - 1
+           and chosen[shared] == rejected[shared]):
+        shared += 1
+    return chosen[:shared], chosen[shared:], rejected[shared:]

@@ -3,6 +3,7 @@ online-RL prompts."""
 
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,13 @@ import datasets
 from strategy.errors import DataError
 from strategy.log import get_logger
 from strategy.trainers.config import DataConfig
-from strategy.trainers.data.chat import check_messages, tokenize_chat
+from strategy.trainers.data.chat import (
+    as_messages,
+    check_messages,
+    split_conversations,
+    tokenize_chat,
+    tokenize_chat_response,
+)
 from strategy.trainers.losses import IGNORE
 
 __all__ = ["DataError", "load_pairs", "load_prompts", "load_sft", "read_rows"]
@@ -20,22 +27,105 @@ __all__ = ["DataError", "load_pairs", "load_prompts", "load_sft", "read_rows"]
 log = get_logger("data")
 
 
-def read_rows(path: str, max_samples: int = -1) -> list[dict]:
-    """Rows of a .json/.jsonl/.parquet file through ``datasets`` (no hub access)."""
-    if not os.path.isfile(path):
-        raise DataError(f"dataset={path!r}: no such file; pass a local .json, .jsonl or .parquet "
-                        "file")
-    ext = os.path.splitext(path)[1].lower()
-    kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(ext)
-    if kind is None:
-        raise DataError(f"dataset={path!r}: unknown extension {ext!r}; use .json, .jsonl or "
-                        ".parquet")
+FILE_KINDS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv",
+              ".arrow": "arrow"}
+
+
+def _one_line(path: str, exc: Exception) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+
+
+def _split_of(data: Any, path: str, split: str) -> datasets.Dataset:
+    """``split`` of a DatasetDict (a Dataset is its own one split)."""
+    if not isinstance(data, datasets.DatasetDict):
+        return data
+    if split not in data:
+        raise DataError(f"dataset={path!r}: no split {split!r}; it has {sorted(data)} (set "
+                        "--dataset_split / --eval_split)")
+    return data[split]
+
+
+def hub_name(source: str) -> bool:
+    """Whether ``source`` reads as a Hub dataset id (``name`` or ``org/name``) rather than a local
+    path (``./x``, ``/x``, ``x.jsonl``, ``a/b/c``, a pattern)."""
+    return not (source.startswith((".", "/", "~")) or os.path.splitext(source)[1]
+                or source.count("/") > 1 or glob.has_magic(source))
+
+
+def load_table(path: str, split: str = "train") -> datasets.Dataset:
+    """One dataset through ``datasets``: a data file or a glob of them (one split), a folder
+    written by ``save_to_disk``, a local folder laid out as a Hub dataset repository, or a Hub id
+    (the offline switches apply).
+
+    Args:
+        path: the file, glob, folder or Hub id.
+        split: the split to take from folders and Hub ids.
+
+    Returns:
+        The rows as a ``datasets.Dataset``.
+
+    Raises:
+        DataError: nothing there, an unknown file kind or split, or rows that cannot be read.
+    """
     datasets.disable_progress_bars()
+    files = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
+    if not files or not (os.path.exists(files[0]) or hub_name(path)):
+        raise DataError(f"dataset={path!r}: no such file, folder or matching pattern; pass a "
+                        "local data file, folder or glob, or a Hub dataset id")
+    if os.path.isfile(files[0]):
+        ext = os.path.splitext(files[0])[1].lower()
+        if ext not in FILE_KINDS:
+            raise DataError(f"dataset={path!r}: unknown extension {ext!r}; use "
+                            f"{', '.join(sorted(FILE_KINDS))}, a folder or a Hub id")
+        return _load(path, f"as {FILE_KINDS[ext]}", datasets.load_dataset, FILE_KINDS[ext],
+                     data_files=files, split="train")
+    if any(os.path.isfile(os.path.join(path, name)) for name in SAVED_MARKERS):
+        return _split_of(_load(path, "from disk", datasets.load_from_disk, path), path, split)
+    where = "as a dataset folder" if os.path.isdir(path) else "from the Hub"
+    return _split_of(_load(path, where, datasets.load_dataset, path), path, split)
+
+
+SAVED_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk writes
+
+
+def _load(path: str, how: str, load, *args: Any, **kwargs: Any) -> Any:
     try:
-        rows = datasets.load_dataset(kind, data_files=path, split="train")
-    except Exception as e:  # noqa: BLE001 - datasets raises many types for a malformed file
-        raise DataError(f"dataset={path!r}: cannot be read as {kind} ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:200]})") from None
+        return load(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - datasets raises many types for unreadable data
+        raise DataError(f"dataset={path!r}: cannot be read {how} ({_one_line(path, e)}); check "
+                        "its files") from None
+
+
+def read_rows(path: str, max_samples: int = -1, split: str = "train",
+              probabilities: list[float] | None = None, seed: int = 42) -> list[dict]:
+    """Rows of one dataset or of several comma-separated ones (concatenated, or mixed by
+    ``probabilities`` with a seeded draw until every one is used up, as OpenRLHF mixes).
+
+    Args:
+        path: one ``load_table`` source, or several separated by commas.
+        max_samples: at most this many rows (-1: all), taken after mixing.
+        split: the split of folders and Hub ids.
+        probabilities: one weight per dataset (None: concatenate).
+        seed: the mixing draw's seed.
+
+    Returns:
+        The rows as dicts.
+
+    Raises:
+        DataError: from ``load_table``.
+    """
+    tables = [load_table(part.strip(), split) for part in path.split(",")]
+    try:
+        if len(tables) == 1:
+            rows = tables[0]
+        elif probabilities is None:
+            rows = datasets.concatenate_datasets(tables)
+        else:
+            rows = datasets.interleave_datasets(tables, probabilities, seed=seed,
+                                                stopping_strategy="all_exhausted")
+    except ValueError as e:  # columns that differ between the datasets
+        raise DataError(f"dataset={path!r}: the datasets cannot be mixed ({_one_line(path, e)}); "
+                        "give them the same columns") from None
     rows = rows.to_list()
     return rows if max_samples < 0 else rows[:max_samples]
 
@@ -76,6 +166,10 @@ class Tokenize:
             raise DataError("tokenizer has no eos_token; set one so responses can end")
 
     def prompt(self, text: str) -> str:
+        """The prompt as the model sees it: in ``--input_template`` (OpenRLHF's ``{}`` form; a
+        written ``\\n`` is a newline) or the chat template's user turn, or as it is."""
+        if self.cfg.input_template:
+            return self.cfg.input_template.replace("\\n", "\n").format(text)
         if not self.cfg.apply_chat_template:
             return text
         return self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -87,6 +181,14 @@ class Tokenize:
         response_ids = self.tok(response, add_special_tokens=False)["input_ids"]
         response_ids = response_ids + [self.tok.eos_token_id]
         return self.cut(prompt_ids + response_ids, [IGNORE] * len(prompt_ids) + response_ids)
+
+    def response(self, prompt: Any, response: Any, where: str) -> tuple[list[int], list[int], int]:
+        """Like ``pair`` for TRL's rows: text, or turn lists rendered with the chat template
+        (only the response's assistant turns scored)."""
+        if isinstance(prompt, str) and isinstance(response, str):
+            return self.pair(prompt, response)
+        turns = (as_messages(prompt, "user", where), as_messages(response, "assistant", where))
+        return self.cut(*tokenize_chat_response(self.tok, *turns, where))
 
     def cut(self, ids: list[int], labels: list[int]) -> tuple[list[int], list[int], int]:
         """Ids and labels cut to ``max_len``, and how many tokens were cut."""
@@ -107,11 +209,12 @@ def _admit(stats: Stats, cut: int, labels: list[int], cfg: DataConfig, where: st
     return True
 
 
-def _samples(path: str, cfg: DataConfig, stats: Stats, max_samples: int, make):
+def _samples(path: str, cfg: DataConfig, stats: Stats, max_samples: int, make,
+             source: dict | None = None):
     """``make(row, where) -> [(ids, labels, cut), ...]`` for each row; a bad row raises, or is
     counted and skipped with ``skip_bad_rows``; the overlong policy then admits each part (a row
     is kept only if all its parts are)."""
-    for i, row in enumerate(read_rows(path, max_samples)):
+    for i, row in enumerate(read_rows(path, max_samples, **(source or {}))):
         where = f"{path} row {i}"
         try:
             parts = make(row, where)
@@ -132,7 +235,8 @@ def _finish(out: list[dict], stats: Stats, path: str) -> list[dict]:
     return out
 
 
-def load_sft(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1) -> list[dict]:
+def load_sft(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1,
+             **source: Any) -> list[dict]:
     """SFT samples ``{"input_ids", "labels"}`` from prompt/response rows or chat rows (a
     ``messages`` list); rows failing checks raise, or are counted and skipped."""
     stats, tok = Stats(path), Tokenize(tokenizer, cfg)
@@ -141,33 +245,42 @@ def load_sft(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1) 
         if row.get(cfg.messages_key) is not None:
             messages = check_messages(row[cfg.messages_key], where)
             return [tok.cut(*tokenize_chat(tokenizer, messages, where))]
+        if cfg.input_key not in row and "prompt" in row and "completion" in row:  # TRL's layout
+            return [tok.response(row["prompt"], row["completion"], where)]
         prompt, response = (_text(row, key, where) for key in (cfg.input_key, cfg.output_key))
         return [tok.pair(prompt, response)]
 
     out = [{"input_ids": ids, "labels": labels}
-           for (ids, labels, _), in _samples(path, cfg, stats, max_samples, make)]
+           for (ids, labels, _), in _samples(path, cfg, stats, max_samples, make, source)]
     return _finish(out, stats, path)
 
 
-def load_pairs(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1) -> list[dict]:
+def load_pairs(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1,
+               **source: Any) -> list[dict]:
     """Preference samples ``{"chosen_ids", "chosen_labels", "rejected_ids",
     "rejected_labels"}``."""
     stats, tok = Stats(path), Tokenize(tokenizer, cfg)
 
     def make(row: dict, where: str) -> list[tuple[list[int], list[int], int]]:
+        chosen, rejected = row.get(cfg.chosen_key), row.get(cfg.rejected_key)
+        if isinstance(chosen, list) and isinstance(rejected, list):  # conversations
+            prompt = row.get(cfg.prompt_key)
+            if prompt is None:  # the prompt is the turns both share
+                prompt, chosen, rejected = split_conversations(chosen, rejected)
+            return [tok.response(prompt, chosen, where), tok.response(prompt, rejected, where)]
         keys = (cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
         prompt, chosen, rejected = (_text(row, key, where) for key in keys)
         return [tok.pair(prompt, chosen), tok.pair(prompt, rejected)]
 
     out = [{"chosen_ids": c_ids, "chosen_labels": c_labels, "rejected_ids": r_ids,
             "rejected_labels": r_labels}
-           for (c_ids, c_labels, _), (r_ids, r_labels, _) in _samples(path, cfg, stats,
-                                                                      max_samples, make)]
+           for (c_ids, c_labels, _), (r_ids, r_labels, _) in _samples(
+               path, cfg, stats, max_samples, make, source)]
     return _finish(out, stats, path)
 
 
 def load_prompts(path: str, tokenizer: Any, cfg: DataConfig, max_prompt_len: int,
-                 max_samples: int = -1) -> list[dict]:
+                 max_samples: int = -1, **source: Any) -> list[dict]:
     """Prompts for online RL ``{"prompt_ids", "prompt", "row"}`` (the row goes to the reward);
     a prompt over ``max_prompt_len`` tokens keeps its end under ``truncate``."""
     stats, tok = Stats(path), Tokenize(tokenizer, cfg)
@@ -180,5 +293,5 @@ def load_prompts(path: str, tokenizer: Any, cfg: DataConfig, max_prompt_len: int
         kept.append({"prompt_ids": ids[cut:], "prompt": text, "row": row})
         return [(ids[cut:], ids[cut:], cut)]
 
-    out = [kept[-1] for _ in _samples(path, cfg, stats, max_samples, make)]
+    out = [kept[-1] for _ in _samples(path, cfg, stats, max_samples, make, source)]
     return _finish(out, stats, path)

@@ -32,14 +32,16 @@ class DataSpec:
     pack: Callable[[list, int], list] | None = None
     collate_packed: Collator | None = None
 
-    def samples(self, path: str, tokenizer: Any, cfg: Any, max_samples: int = -1) -> list:
+    def samples(self, path: str, tokenizer: Any, cfg: Any, max_samples: int = -1,
+                **source: Any) -> list:
         """The samples of ``path`` (packed rows when ``cfg.packing_samples``).
 
         Args:
-            path: a local data file.
+            path: what ``files.read_rows`` reads (files, folders, Hub ids, comma-separated).
             tokenizer: turns text into ids.
             cfg: the ``DataConfig``.
             max_samples: at most this many samples (-1: all).
+            **source: ``split`` and ``probabilities`` for ``files.read_rows``.
 
         Returns:
             The samples, or packed rows of them.
@@ -47,7 +49,7 @@ class DataSpec:
         Raises:
             ConfigError: packing asked of data that cannot be packed.
         """
-        rows = self.load(path, tokenizer, cfg, max_samples)
+        rows = self.load(path, tokenizer, cfg, max_samples, **source)
         if not cfg.packing_samples:
             return rows
         if self.pack is None:
@@ -80,7 +82,8 @@ class DataSpec:
             ConfigError: fewer training samples than one optimizer step takes.
         """
         cfg, strategy = run.data, run.strategy
-        train = self.samples(cfg.dataset, run.tokenizer, cfg, cfg.max_samples)
+        train = self.samples(cfg.dataset, run.tokenizer, cfg, cfg.max_samples,
+                             **train_source(cfg))
         collate_fn = self.collate_fn(run.tokenizer.pad_token_id, cfg.packing_samples)
         batch = strategy.config.train_batch_size
         if len(train) < batch:
@@ -90,9 +93,15 @@ class DataSpec:
                                                  shuffle=True, collate_fn=collate_fn)
         if not cfg.eval_dataset:
             return train_loader, None
-        held = self.samples(cfg.eval_dataset, run.tokenizer, cfg)  # rows as training sees them
+        held = self.samples(cfg.eval_dataset, run.tokenizer, cfg,  # rows as training sees them
+                            split=cfg.eval_split)
         return train_loader, strategy.setup_eval_dataloader(
             held, strategy.config.micro_eval_batch_size, collate_fn=collate_fn)
+
+
+def train_source(cfg: Any) -> dict:
+    """Where the training rows come from: ``--dataset_split``, mixed by ``--dataset_probs``."""
+    return {"split": cfg.dataset_split, "probabilities": cfg.probabilities()}
 
 
 def prompts_per_rank(strategy_config: Any, world_size: int, group_size: int) -> int:
@@ -133,7 +142,8 @@ class PromptSpec:
         per_rank = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size)
         longest = cfg.max_len - grpo.max_new_tokens
         collate_fn = collate.collate_prompts(run.tokenizer.pad_token_id)
-        train = files.load_prompts(cfg.dataset, run.tokenizer, cfg, longest, cfg.max_samples)
+        train = files.load_prompts(cfg.dataset, run.tokenizer, cfg, longest, cfg.max_samples,
+                                   **train_source(cfg))
         needed = per_rank * strategy.data_parallel_size
         if len(train) < needed:
             raise ConfigError(f"train_batch_size={strategy.config.train_batch_size} is invalid: "
@@ -143,7 +153,8 @@ class PromptSpec:
                                                  collate_fn=collate_fn)
         if not cfg.eval_dataset:
             return train_loader, None
-        held = files.load_prompts(cfg.eval_dataset, run.tokenizer, cfg, longest)
+        held = files.load_prompts(cfg.eval_dataset, run.tokenizer, cfg, longest,
+                                  split=cfg.eval_split)
         return train_loader, strategy.setup_eval_dataloader(
             held, strategy.config.micro_eval_batch_size, collate_fn=collate_fn)
 
