@@ -49,3 +49,24 @@ def test_wandb_runs_offline_by_default(tmp_path, monkeypatch):
     log.close()
     assert calls["init"]["mode"] == "offline" and calls["init"]["config"] == {"lr": 1}
     assert calls["rows"] == [(5, {"train/loss": 2.0})] and calls["finished"]
+
+
+def test_log_prefixes_and_rank_zero_filter(monkeypatch, capsys):
+    """One prefix scheme from strategy.log; ranks > 0 print only warnings, naming the rank."""
+    import pytest
+
+    from strategy import log
+
+    checkpoint = log.get_logger("checkpoint")
+    monkeypatch.setenv("RANK", "0")
+    checkpoint.info("saved %s", "/ckpt/global_step4")
+    log.print0("plain", 1)
+    monkeypatch.setenv("RANK", "1")
+    checkpoint.info("not shown on rank 1")
+    checkpoint.warning("no RNG state for this rank")
+    log.print0("not shown either")
+    assert capsys.readouterr().out.splitlines() == [
+        "[checkpoint] saved /ckpt/global_step4", "plain 1",
+        "[checkpoint rank 1] no RNG state for this rank"]
+    with pytest.raises(ValueError, match="log topic 'ckpt' is unknown"):
+        log.get_logger("ckpt")  # every prefix comes from the one table
