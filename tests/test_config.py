@@ -76,6 +76,11 @@ def test_every_shipped_config_loads():
 
 
 BAD = [
+    ({"ring_attn_size": 2}, "ring_attn_size=2 is invalid: ring attention is not supported; "
+                            "split sequences with DeepSpeed Ulysses: --sequence_parallel_size N"),
+    ({"param_dtype": "fp8"}, "param_dtype='fp8' is invalid: use bf16, fp16 or fp32"),
+    ({"param_dtype": "fp32", "bf16": True}, "--bf16 says otherwise"),
+    ({"ds_tensor_parallel_size": 2, "tensor_parallel_size": 4}, "ds_tensor_parallel_size=2"),
     ({"zero_stage": 4}, "zero_stage=4 is invalid: use 0, 1, 2 or 3"),
     ({"zero_stage": -1}, "zero_stage=-1"),
     ({"bf16": True, "fp16": True}, "bf16 and fp16 are exclusive"),
@@ -271,3 +276,11 @@ def test_scheduler_rejects_bad_warmup():
         create_scheduler(opt, num_training_steps=10, num_warmup_steps=20)
     with pytest.raises(ValueError, match="not both"):
         create_scheduler(opt, num_training_steps=10, num_warmup_steps=1, warmup_ratio=0.1)
+
+
+def test_openrlhf_spellings_set_ours():
+    from strategy import StrategyConfig
+
+    config = StrategyConfig(param_dtype="bf16", ds_tensor_parallel_size=2, zero_stage=1)
+    assert (config.bf16, config.fp16, config.tensor_parallel_size) == (True, False, 2)
+    assert not StrategyConfig(param_dtype="fp32").bf16

@@ -45,8 +45,14 @@ class StrategyConfig:
     tensor_parallel_size: int = doc("ranks that split each weight (DeepSpeed AutoTP, ZeRO 0-2); "
                                     "1 off", 1)
     ds_config_overrides: dict = doc("dict deep-merged last into the DeepSpeed config", {})
+    param_dtype: str | None = doc("OpenRLHF's precision flag: bf16, fp16 or fp32 (sets --bf16 / "
+                                  "--fp16; default: those flags, fp32 when neither)", None)
+    ds_tensor_parallel_size: int = doc("OpenRLHF's name for --tensor_parallel_size", 1)
+    ring_attn_size: int = doc("OpenRLHF's ring attention: not supported (refused above 1); "
+                              "--sequence_parallel_size splits sequences with Ulysses", 1)
 
     def __post_init__(self) -> None:
+        self._take_openrlhf_names()
         self._check_precision_and_sizes()
         self._check_offload()
         self._check_parallel()
@@ -56,6 +62,26 @@ class StrategyConfig:
             fail("ds_config_overrides", self.ds_config_overrides,
                  "use a mapping, e.g. {steps_per_print: 10}")
         check_overrides(self.ds_config_overrides)
+
+    def _take_openrlhf_names(self) -> None:
+        """OpenRLHF's spellings, folded into ours (the dataclass is frozen, hence setattr)."""
+        if self.ring_attn_size != 1:
+            fail("ring_attn_size", self.ring_attn_size, "ring attention is not supported; split "
+                 "sequences with DeepSpeed Ulysses: --sequence_parallel_size N")
+        if self.ds_tensor_parallel_size != 1:
+            if self.tensor_parallel_size not in (1, self.ds_tensor_parallel_size):
+                fail("ds_tensor_parallel_size", self.ds_tensor_parallel_size, "it names "
+                     "--tensor_parallel_size, which is set otherwise; pass one of them")
+            object.__setattr__(self, "tensor_parallel_size", self.ds_tensor_parallel_size)
+        if self.param_dtype is None:
+            return
+        if self.param_dtype not in ("bf16", "fp16", "fp32"):
+            fail("param_dtype", self.param_dtype, "use bf16, fp16 or fp32")
+        wanted = {"bf16": self.param_dtype == "bf16", "fp16": self.param_dtype == "fp16"}
+        for name, value in wanted.items():
+            if getattr(self, name) and not value:
+                fail("param_dtype", self.param_dtype, f"--{name} says otherwise; pass one of them")
+            object.__setattr__(self, name, value)
 
     def _check_parallel(self) -> None:
         check_positive(self, "sequence_parallel_size", "tensor_parallel_size")
