@@ -13,7 +13,7 @@ from strategy.trainers.run import Run
 
 
 def main(argv: list[str] | None = None) -> dict:
-    with Run.from_args(argv, grpo=True) as run:
+    with Run.from_args(argv, trainer=GRPOTrainer) as run:
         model = run.model()
         reference = None
         if run.grpo.kl_coef > 0:

@@ -10,7 +10,7 @@ from strategy.trainers.run import Run
 
 
 def main(argv: list[str] | None = None) -> dict:
-    with Run.from_args(argv) as run:
+    with Run.from_args(argv, trainer=RewardModelTrainer) as run:
         model = run.model(AutoModelForSequenceClassification, lora_task="SEQ_CLS",
                           modules_to_save=["score"], num_labels=1)
         return run.trainer(RewardModelTrainer, model).fit()

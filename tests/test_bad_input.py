@@ -200,3 +200,13 @@ def test_a_bad_flag_is_one_line_without_a_traceback(tmp_path, flags, message):
     assert "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if message in line]
     assert len(errors) == 1, proc.stderr
+
+
+def test_reward_model_under_sequence_parallelism_is_refused_before_process_group(toy,
+                                                                                   monkeypatch):
+    """The trainer's own check_settings runs in Run.from_args (the README's claim)."""
+    from tests.support.helpers import forbid_process_group, load_example
+
+    forbid_process_group(monkeypatch)
+    with pytest.raises(ConfigError, match="sequence_parallel_size=2 is invalid: a reward model"):
+        load_example("train_rm")(_argv({**_base(toy), "sequence_parallel_size": 2}))

@@ -31,8 +31,8 @@ from strategy.internals import set_attn_implementation
 from strategy.lora import apply_lora, check_targets
 from strategy.optim import OptimConfig
 from strategy.parallel import check_sequence_parallel, check_tensor_parallel
-from strategy.trainers.algorithms.grpo import GRPOConfig, check_grpo
-from strategy.trainers.algorithms.rewards import CallableReward, ModelReward, load_reward_fn
+from strategy.trainers.algorithms.grpo import GRPOConfig, GRPOTrainer
+from strategy.trainers.algorithms.rewards import CallableReward, ModelReward
 from strategy.trainers.config import (
     DataConfig,
     DPOConfig,
@@ -76,14 +76,17 @@ class Run:
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None,
-                  parser: argparse.ArgumentParser | None = None, grpo: bool = False) -> Run:
-        """Parse flags and YAML, check everything that can be checked without ranks, then start
-        the strategy.
+                  parser: argparse.ArgumentParser | None = None, grpo: bool = False,
+                  trainer: type | None = None) -> Run:
+        """Parse flags and YAML, check everything that can be checked without ranks (the
+        trainer's own ``check_settings`` included), then start the strategy.
 
         Args:
             argv: the command line without the program name (None: ``sys.argv``).
             parser: a parser holding the script's own flags, extended with the configs'.
-            grpo: also parse and check ``GRPOConfig`` (online RL scripts).
+            grpo: also parse and check ``GRPOConfig`` (the same as ``trainer=GRPOTrainer``).
+            trainer: the trainer class the script runs: its ``config_classes`` are parsed too
+                and its ``check_settings`` runs before any process group starts.
 
         Returns:
             The ``Run``, its strategy's process group started and its tokenizer loaded.
@@ -92,8 +95,9 @@ class Run:
             ConfigError: a setting is invalid (one line naming it and the fix).
         """
         dist.install_one_line_errors()  # a bad setting is one line on stderr, no traceback
-        classes = CONFIG_CLASSES + ((GRPOConfig,) if grpo else ())
-        configs, namespace = parse_configs(list(classes), argv, parser)
+        trainer = GRPOTrainer if grpo and trainer is None else trainer
+        extra = tuple(getattr(trainer, "config_classes", ()))
+        configs, namespace = parse_configs(list(CONFIG_CLASSES + extra), argv, parser)
         by_type = {type(config): config for config in configs}
         strategy_cfg, ckpt_cfg = by_type[StrategyConfig], by_type[CheckpointConfig]
         model_cfg, train_cfg, data_cfg = by_type[ModelConfig], by_type[TrainConfig], \
@@ -103,13 +107,8 @@ class Run:
         dist.from_slurm()  # the ranks srun started
         strategy_cfg.validate_world(dist.get_world_size())  # from the launcher's environment
         check_model(model_cfg, lora_cfg, data_cfg, strategy_cfg)
-        if grpo_cfg is not None:
-            check_grpo(strategy_cfg, train_cfg, grpo_cfg, data_cfg.max_len, dist.get_world_size())
-            if grpo_cfg.reward_fn:
-                load_reward_fn(grpo_cfg.reward_fn)  # importable and callable, or one line now
-            if grpo_cfg.kl_coef > 0 and model_cfg.pretrain is None:
-                raise ConfigError(f"kl_coef={grpo_cfg.kl_coef} is invalid: the reference is the "
-                                  "--pretrain model; pass --pretrain or set --kl_coef 0")
+        if trainer is not None:
+            trainer.check_settings(by_type, dist.get_world_size())
         if train_cfg.load_checkpoint:
             check_resumable(ckpt_cfg.ckpt_path, RunLayout(
                 sequence_parallel_size=strategy_cfg.sequence_parallel_size,

@@ -34,9 +34,11 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from transformers import GenerationConfig
 
+from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.model import base_model
-from strategy.trainers.config import GRPOConfig
+from strategy.trainers.algorithms.rewards import load_reward_fn
+from strategy.trainers.config import DataConfig, GRPOConfig, ModelConfig, TrainConfig
 from strategy.trainers.data import PROMPTS
 from strategy.trainers.data.spec import prompts_per_rank
 from strategy.trainers.loop import Step, StepPlan, Trainer, plan_steps
@@ -102,6 +104,28 @@ class GRPOTrainer(Trainer):
 
     data = PROMPTS
     resume_by_samples = False  # a step consumes completions, not loader samples
+    config_classes = (GRPOConfig,)
+
+    @classmethod
+    def check_settings(cls, configs: dict, world_size: int) -> None:
+        """GRPO's refusals (``check_grpo``), an importable reward function, and a reference
+        model when there is a KL penalty.
+
+        Args:
+            configs: the parsed configs by class.
+            world_size: ranks the launcher started.
+
+        Raises:
+            ConfigError: a setting GRPO cannot run with.
+        """
+        grpo, model = configs[GRPOConfig], configs[ModelConfig]
+        check_grpo(configs[StrategyConfig], configs[TrainConfig], grpo,
+                   configs[DataConfig].max_len, world_size)
+        if grpo.reward_fn:
+            load_reward_fn(grpo.reward_fn)  # importable and callable, or one line now
+        if grpo.kl_coef > 0 and model.pretrain is None:
+            fail("kl_coef", grpo.kl_coef, "the reference is the --pretrain model; pass "
+                 "--pretrain or set --kl_coef 0")
 
     def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config=None, tokenizer=None, grpo: GRPOConfig | None = None,

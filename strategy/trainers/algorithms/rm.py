@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.trainers.data import PAIRS
 from strategy.trainers.data.packing import pair_count
@@ -13,6 +14,12 @@ from strategy.trainers.loop import Trainer
 from strategy.trainers.losses import pairwise_losses, pairwise_metrics, sequence_scores
 
 __all__ = ["RewardModelTrainer", "pairwise_metrics"]
+
+
+def _refuse_sequence_parallel(size: int) -> None:
+    if size > 1:
+        fail("sequence_parallel_size", size, "a reward model scores each sequence's last token, "
+             "which one slice holds; train it without sequence parallelism")
 
 
 class RewardModelTrainer(Trainer):
@@ -30,11 +37,21 @@ class RewardModelTrainer(Trainer):
 
     data = PAIRS
 
+    @classmethod
+    def check_settings(cls, configs: dict, world_size: int) -> None:
+        """A reward model cannot train under sequence parallelism.
+
+        Args:
+            configs: the parsed configs by class.
+            world_size: ranks the launcher started.
+
+        Raises:
+            ConfigError: ``sequence_parallel_size`` > 1.
+        """
+        _refuse_sequence_parallel(configs[StrategyConfig].sequence_parallel_size)
+
     def __init__(self, strategy, *args, **kwargs) -> None:
-        if strategy.config.sequence_parallel_size > 1:
-            fail("sequence_parallel_size", strategy.config.sequence_parallel_size, "a reward "
-                 "model scores each sequence's last token, which one slice holds; train it "
-                 "without sequence parallelism")
+        _refuse_sequence_parallel(strategy.config.sequence_parallel_size)
         super().__init__(strategy, *args, **kwargs)
 
     def rewards(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

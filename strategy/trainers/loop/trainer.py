@@ -76,6 +76,8 @@ class Trainer:
             (default: where DeepSpeed's sample count places ``train_dataloader``); trainers with
             ``resume_by_samples = False`` place their loader themselves here.
         ``on_step_end(metrics)``: called after every optimizer step with its reduced metrics.
+        ``check_settings(configs, world_size)`` (classmethod): refuse settings the trainer
+            cannot run, before any process group starts (``Run.from_args(trainer=cls)``).
         ``plan(strategy, num_samples, cfg, **kwargs)`` (classmethod): optimizer steps per epoch
             and in all, for the schedule, before the trainer exists.
 
@@ -83,6 +85,8 @@ class Trainer:
         ``data``: the data the trainer takes (a ``DataSpec``; ``Run`` builds loaders from it).
         ``resume_by_samples``: whether one optimizer step consumes ``train_batch_size`` samples
             of ``train_dataloader`` (resume places the loader by DeepSpeed's sample count).
+        ``config_classes``: config dataclasses of its own, parsed from flags and YAML by
+            ``Run.from_args(trainer=cls)``.
 
     State a subclass may read: ``strategy``, ``cfg`` (``TrainConfig``), ``tokenizer``,
     ``model`` (the training engine), ``train_dataloader``, ``eval_dataloader``, ``global_step``,
@@ -107,6 +111,7 @@ class Trainer:
 
     data: ClassVar[Any] = SFT
     resume_by_samples: ClassVar[bool] = True
+    config_classes: ClassVar[tuple] = ()  # configs of its own that Run.from_args parses
 
     def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config: TrainConfig | None = None,
@@ -215,6 +220,16 @@ class Trainer:
 
         Args:
             metrics: the step's figures (loss and ``compute_loss``'s metrics).
+        """
+
+    @classmethod
+    def check_settings(cls, configs: dict[type, Any], world_size: int) -> None:
+        """Refuse, before any process group starts, settings this trainer cannot run
+        (``Run.from_args(trainer=cls)`` calls it; default: nothing to refuse).
+
+        Args:
+            configs: the parsed configs by class (``StrategyConfig``, ``TrainConfig``...).
+            world_size: ranks the launcher started.
         """
 
     @classmethod
