@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -252,7 +253,12 @@ def check_paths(model: ModelConfig, train: TrainConfig, data_cfg: DataConfig,
 def check_model(model: ModelConfig, lora: LoraConfig, data_cfg: DataConfig,
                 strategy: StrategyConfig) -> None:
     """What the model's config decides, before any rank starts: LoRA targets (on a weightless
-    meta-device copy), packing, sequence parallelism."""
+    meta-device copy), packing, sequence parallelism, an attention kernel that is installed."""
+    if model.attn_implementation == "flash_attention_2" and not importlib.util.find_spec(
+            "flash_attn"):
+        raise ConfigError("attn_implementation='flash_attention_2' is invalid: the flash-attn "
+                          "package is not installed here (it needs a CUDA GPU); use "
+                          "--attn_implementation sdpa")
     if model.pretrain:
         config = AutoConfig.from_pretrained(model.pretrain)
     else:
