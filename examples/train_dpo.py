@@ -12,8 +12,8 @@ from strategy.trainers.run import Run
 def main(argv: list[str] | None = None) -> dict:
     with Run.from_args(argv) as run:
         model = run.model()
-        pretrain = run.model_cfg.pretrain
-        reference = (run.strategy.from_pretrained(pretrain, frozen=True) if pretrain
+        source = run.model_cfg.ref_pretrain or run.model_cfg.pretrain
+        reference = (run.strategy.from_pretrained(source, frozen=True) if source
                      else _copy_of(run, model))
         trainer = run.trainer(DPOTrainer, model, ref_model=reference, dpo=run.dpo)
         return trainer.fit()

@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> dict:
         model = run.model()
         reference = None
         if run.grpo.kl_coef > 0:
-            reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
+            reference = run.strategy.from_pretrained(
+                run.model_cfg.ref_pretrain or run.model_cfg.pretrain, frozen=True)
         trainer = run.trainer(GRPOTrainer, model, grpo=run.grpo, ref_model=reference,
                               reward=run.reward(), answer_key=run.data.output_key)
         return trainer.fit()

@@ -43,6 +43,11 @@ def _base(toy) -> dict:
 
 
 CASES = [
+    # OpenRLHF's flags that are not here yet: one line naming ours
+    ({"aux_loss_coef": 0.01}, "aux_loss_coef=0.01 is invalid: the MoE router"),
+    ({"disable_ds_ckpt": True}, "disable_ds_ckpt=True is invalid: resume checkpoints are "
+                                "DeepSpeed's here; use --save_steps -1"),
+    ({"ipo": True}, "ipo=True is invalid: the IPO loss is not here yet"),
     ({"zero_stage": 4}, "zero_stage=4 is invalid"),
     ({"bf16": True, "fp16": True}, "bf16 and fp16 are exclusive"),
     (
@@ -210,3 +215,14 @@ def test_reward_model_under_sequence_parallelism_is_refused_before_process_group
     forbid_process_group(monkeypatch)
     with pytest.raises(ConfigError, match="sequence_parallel_size=2 is invalid: a reward model"):
         load_example("train_rm")(_argv({**_base(toy), "sequence_parallel_size": 2}))
+
+
+def test_openrlhf_logging_flags_keep_their_meaning(monkeypatch):
+    from strategy.trainers.config import TrainConfig
+    from strategy.trainers.run import wandb_key_taken
+
+    assert TrainConfig(use_tensorboard="tb/run1").log_dir == "tb/run1"
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    argv = wandb_key_taken(["--use_wandb", "abc123", "--bf16", "--use_wandb=True"])
+    assert argv == ["--use_wandb", "--bf16", "--use_wandb"]
+    assert __import__("os").environ["WANDB_API_KEY"] == "abc123"

@@ -53,6 +53,10 @@ def test_save_to_disk_folders_globs_and_csv(tmp_path, tok):
                           "eval": datasets.Dataset.from_list(ROWS[3:])}).save_to_disk(
         str(tmp_path / "saved"))
     assert len(ds.load_sft(str(tmp_path / "saved"), tok, cfg, split="eval")) == 2
+    datasets.DatasetDict({"eval": datasets.Dataset.from_list(
+        [ROWS[0], {"input": "ab=", "output": None}])}).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(DataError, match=r"bad \[eval\] row 1: missing key 'output'"):
+        ds.load_sft(str(tmp_path / "bad"), tok, cfg, split="eval")  # file, split, row, key
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "one"))
     assert len(ds.load_sft(str(tmp_path / "one"), tok, cfg)) == 5
     for i, row in enumerate(ROWS):

@@ -31,7 +31,7 @@ def toy(tmp_path_factory):
 
 def _out(toy, script: str, config: str, extra: tuple = ()) -> str:
     """Each example, config and flags write to a directory of their own."""
-    flags = "".join(extra).replace("--", "-")
+    flags = "".join(extra).replace("--", "-").replace("/", "_")
     return f"{toy}/out/{script}-{os.path.basename(config)}{flags}"
 
 
@@ -65,7 +65,7 @@ def run_example(script: str, config: str, toy: str, extra: tuple = ()) -> dict:
     ]
     if "pretrain:" in open(config).read():
         argv += ["--pretrain", f"{toy}/model"]
-    return load_example(script)(argv + list(extra))
+    return load_example(script)(argv + [a.replace("TOY", toy) for a in extra])
 
 
 CONFIGS = [
@@ -74,6 +74,7 @@ CONFIGS = [
     ("train_sft", "configs/sft_zero3_lora_offload.yaml", ()),
     ("train_rm", "configs/rm_zero2.yaml", ()),
     ("train_dpo", "configs/dpo_zero3.yaml", ()),
+    ("train_dpo", "configs/dpo_zero3.yaml", ("--ref_pretrain", "TOY/model")),  # OpenRLHF's
     # the extension example in the settings it claims: packing, sequence parallelism, ZeRO-3
     ("custom_trainer", "configs/sft_zero2.yaml", ("--packing_samples",)),
     ("custom_trainer", "configs/sft_zero2.yaml", ("--sequence_parallel_size", "2")),

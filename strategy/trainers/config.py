@@ -24,7 +24,15 @@ class ModelConfig:
     attn_implementation: str = doc("attention kernel: sdpa, flash_attention_2 (GPU; varlen "
                                    "packing) or eager", "sdpa")
 
+    ref_pretrain: str | None = doc("the frozen reference of DPO/GRPO (default: --pretrain)",
+                                   None)
+    aux_loss_coef: float = doc("OpenRLHF's MoE router loss weight: refused above 0 (not here "
+                               "yet)", 0.0)
+
     def __post_init__(self) -> None:
+        if self.aux_loss_coef:
+            fail("aux_loss_coef", self.aux_loss_coef, "the MoE router (load-balancing) loss is "
+                 "not here yet; drop the flag")
         if self.pretrain is None and self.model_config is None:
             fail("pretrain", None, "set --pretrain MODEL_DIR, or --model_config config.json to "
                  "train from scratch")
@@ -49,6 +57,11 @@ class TrainConfig:
                               "./outputs/logs")
     use_wandb: bool = doc("also log to Weights & Biases (offline unless WANDB_MODE says otherwise)",
                           False)
+    use_tensorboard: str | None = doc("OpenRLHF's TensorBoard directory: the same as --log_dir "
+                                      "(metrics.jsonl goes there too)", None)
+    disable_ds_ckpt: bool = doc("OpenRLHF's flag: refused (resume checkpoints are DeepSpeed's; "
+                                "--save_steps -1 saves none, --save_hf_ckpt adds HF exports)",
+                                False)
     max_shard_size: str = doc("largest safetensors shard of an export, e.g. 5GB or 500MB", "5GB")
     loss_weighting: str = doc("'step': every token (sample, for pair losses) of an optimizer step "
                               "weighs the same, however the step is split; 'micro_batch': each "
@@ -66,6 +79,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_positive(self, "max_epochs", "logging_steps", "logits_chunk_size")
+        if self.disable_ds_ckpt:
+            fail("disable_ds_ckpt", True, "resume checkpoints are DeepSpeed's here; use "
+                 "--save_steps -1 to save none, or --save_hf_ckpt to add HF exports")
+        if self.use_tensorboard is not None:
+            object.__setattr__(self, "log_dir", self.use_tensorboard)
         check_steps(self, "eval_steps", "save_steps", "max_steps")
         if self.loss_weighting not in LOSS_WEIGHTINGS:
             fail("loss_weighting", self.loss_weighting, "use step or micro_batch")
@@ -173,6 +191,8 @@ class DPOConfig:
     label_smoothing: float = doc("DPO: probability that a preference label is flipped "
                                  "(conservative DPO)", 0.0)
     nll_loss_coef: float = doc("DPO: weight of an extra NLL loss on the chosen response", 0.0)
+    ipo: bool = doc("OpenRLHF's IPO loss: refused (not here yet; the sigmoid loss with "
+                    "--label_smoothing is)", False)
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
@@ -181,6 +201,9 @@ class DPOConfig:
             fail("label_smoothing", self.label_smoothing, "use a value in [0, 0.5)")
         if self.nll_loss_coef < 0:
             fail("nll_loss_coef", self.nll_loss_coef, "use a weight >= 0")
+        if self.ipo:
+            fail("ipo", True, "the IPO loss is not here yet; DPO's sigmoid loss (--beta, "
+                 "--label_smoothing for conservative DPO) is")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import glob
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -96,6 +97,7 @@ class Run:
             ConfigError: a setting is invalid (one line naming it and the fix).
         """
         dist.install_one_line_errors()  # a bad setting is one line on stderr, no traceback
+        argv = wandb_key_taken(list(sys.argv[1:] if argv is None else argv))
         trainer = GRPOTrainer if grpo and trainer is None else trainer
         extra = tuple(getattr(trainer, "config_classes", ()))
         configs, namespace = parse_configs(list(CONFIG_CLASSES + extra), argv, parser)
@@ -220,6 +222,22 @@ class Run:
         scheduler = self.strategy.create_scheduler(optimizer,
                                                    num_training_steps=max(plan.total_steps, 1))
         return optimizer, scheduler
+
+
+def wandb_key_taken(argv: list[str]) -> list[str]:
+    """OpenRLHF's ``--use_wandb TOKEN`` (or ``--use_wandb True``): the token becomes
+    ``WANDB_API_KEY`` (what ``wandb.login`` reads) and the flag our plain ``--use_wandb``."""
+    out = []
+    for arg in argv:
+        if out and out[-1] == "--use_wandb" and not arg.startswith("-"):
+            if arg.lower() not in ("true", "1"):
+                os.environ["WANDB_API_KEY"] = arg
+            continue
+        if arg.startswith("--use_wandb="):
+            out.extend(wandb_key_taken(["--use_wandb", arg.partition("=")[2]]))
+            continue
+        out.append(arg)
+    return out
 
 
 def check_paths(model: ModelConfig, train: TrainConfig, data_cfg: DataConfig,

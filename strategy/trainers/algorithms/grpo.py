@@ -123,9 +123,9 @@ class GRPOTrainer(Trainer):
                    configs[DataConfig].max_len, world_size)
         if grpo.reward_fn:
             load_reward_fn(grpo.reward_fn)  # importable and callable, or one line now
-        if grpo.kl_coef > 0 and model.pretrain is None:
-            fail("kl_coef", grpo.kl_coef, "the reference is the --pretrain model; pass "
-                 "--pretrain or set --kl_coef 0")
+        if grpo.kl_coef > 0 and (model.ref_pretrain or model.pretrain) is None:
+            fail("kl_coef", grpo.kl_coef, "the reference is the --pretrain model (or "
+                 "--ref_pretrain); pass one or set --kl_coef 0")
 
     def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config=None, tokenizer=None, grpo: GRPOConfig | None = None,

@@ -215,7 +215,7 @@ def _samples(path: str, cfg: DataConfig, stats: Stats, max_samples: int, make,
     counted and skipped with ``skip_bad_rows``; the overlong policy then admits each part (a row
     is kept only if all its parts are)."""
     for i, row in enumerate(read_rows(path, max_samples, **(source or {}))):
-        where = f"{path} row {i}"
+        where = f"{path} [{(source or {}).get('split', 'train')}] row {i}"
         try:
             parts = make(row, where)
         except DataError as e:
