@@ -219,10 +219,12 @@ def test_reward_model_under_sequence_parallelism_is_refused_before_process_group
 
 def test_openrlhf_logging_flags_keep_their_meaning(monkeypatch):
     from strategy.trainers.config import TrainConfig
-    from strategy.trainers.run import wandb_key_taken
+    from strategy.trainers.run import openrlhf_argv, wandb_key_taken
 
     assert TrainConfig(use_tensorboard="tb/run1").log_dir == "tb/run1"
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     argv = wandb_key_taken(["--use_wandb", "abc123", "--bf16", "--use_wandb=True"])
     assert argv == ["--use_wandb", "--bf16", "--use_wandb"]
     assert __import__("os").environ["WANDB_API_KEY"] == "abc123"
+    assert openrlhf_argv(["--target_modules", "q_proj", "v_proj", "--lora_rank", "8"]) == [
+        "--target_modules", "q_proj,v_proj", "--lora_rank", "8"]

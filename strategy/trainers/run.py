@@ -97,7 +97,7 @@ class Run:
             ConfigError: a setting is invalid (one line naming it and the fix).
         """
         dist.install_one_line_errors()  # a bad setting is one line on stderr, no traceback
-        argv = wandb_key_taken(list(sys.argv[1:] if argv is None else argv))
+        argv = openrlhf_argv(list(sys.argv[1:] if argv is None else argv))
         trainer = GRPOTrainer if grpo and trainer is None else trainer
         extra = tuple(getattr(trainer, "config_classes", ()))
         configs, namespace = parse_configs(list(CONFIG_CLASSES + extra), argv, parser)
@@ -222,6 +222,18 @@ class Run:
         scheduler = self.strategy.create_scheduler(optimizer,
                                                    num_training_steps=max(plan.total_steps, 1))
         return optimizer, scheduler
+
+
+def openrlhf_argv(argv: list[str]) -> list[str]:
+    """OpenRLHF's multi-value spellings as ours: ``--target_modules q_proj v_proj`` becomes
+    ``--target_modules q_proj,v_proj``; ``--use_wandb TOKEN`` as in ``wandb_key_taken``."""
+    out: list[str] = []
+    for arg in wandb_key_taken(argv):
+        if len(out) >= 2 and out[-2] == "--target_modules" and not arg.startswith("-"):
+            out[-1] = f"{out[-1]},{arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def wandb_key_taken(argv: list[str]) -> list[str]:
