@@ -48,6 +48,7 @@ CASES = [
     ({"disable_ds_ckpt": True}, "disable_ds_ckpt=True is invalid: resume checkpoints are "
                                 "DeepSpeed's here; use --save_steps -1"),
     ({"ipo": True}, "ipo=True is invalid: the IPO loss is not here yet"),
+    ({"streaming": True}, "streaming=True is invalid without --max_steps"),
     ({"zero_stage": 4}, "zero_stage=4 is invalid"),
     ({"bf16": True, "fp16": True}, "bf16 and fp16 are exclusive"),
     (

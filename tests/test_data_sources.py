@@ -123,3 +123,71 @@ def test_conversational_preference_rows(tmp_path, tok):
     assert _scored(pairs[0], "rejected_labels") == ids(["a", "b", "<|im_end|>"])
     prompt = len(pairs[0]["chosen_ids"]) - 3
     assert pairs[0]["chosen_ids"][:prompt] == pairs[0]["rejected_ids"][:prompt]
+
+
+def _stream(path: str, tok, rank: int, world: int, **cfg):
+    from strategy.trainers.data.files import sft_parts, sft_sample
+    from strategy.trainers.data.stream import TokenStream, open_stream
+
+    config = DataConfig(dataset=path, streaming=True, max_len=16, **cfg)
+    rows = open_stream(path, "train", config)
+    return TokenStream(rows, sft_parts(tok, config), sft_sample, config, path, rank, world, 7)
+
+
+def test_a_stream_deals_each_pass_to_ranks_and_resumes_exactly(tmp_path, tok):
+    from itertools import islice
+
+    words = ["".join(p) for p in __import__("itertools").permutations("abcdefg", 3)][:21]
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(json.dumps({"input": w + "=", "output": w[::-1]}) + "\n"
+                            for w in words))
+    everything = {tuple(s["input_ids"]) for s in ds.load_sft(str(path), tok, DataConfig())}
+
+    def ids(rank: int, world: int, n: int) -> list[tuple]:
+        stream = _stream(str(path), tok, rank, world, shuffle_buffer=8)
+        return [tuple(s["input_ids"]) for s in islice(stream, n)]
+
+    alone = ids(0, 1, 42)
+    assert sorted(alone[:21]) == sorted(alone[21:]) and set(alone[:21]) == everything
+    assert alone[:21] != alone[21:]  # one pass is every row once; the next is reshuffled
+    rank0, rank1 = ids(0, 2, 11), ids(1, 2, 10)  # a pass dealt to 2 ranks: 11 + 10 rows
+    assert set(rank0).isdisjoint(rank1) and set(rank0) | set(rank1) == everything
+    whole = list(islice(_stream(str(path), tok, 1, 2), 30))
+    resumed = _stream(str(path), tok, 1, 2)
+    resumed.resume_at(13)
+    assert list(islice(resumed, 17)) == whole[13:]  # exactly where it stopped, across a pass
+
+
+def streamed_sft(root: str, name: str, **extra) -> list[dict]:
+    from strategy.trainers import Run, SFTTrainer
+
+    flags = {"zero_stage": 2, "micro_train_batch_size": 2, "train_batch_size": 8,
+             "learning_rate": 1e-3, "max_len": 16, "max_steps": 8, "save_steps": 4,
+             "logging_steps": 1, "streaming": True, "shuffle_buffer": 16,
+             "tokenizer": f"{root}/tok", "model_config": "configs/tiny_llama.json",
+             "dataset": f"{root}/train.jsonl", "save_path": f"{root}/{name}/model",
+             "ckpt_path": f"{root}/{name}/ckpt", "log_dir": f"{root}/{name}/logs", **extra}
+    argv = [f"--{k}" if v is True else f"--{k}={v}" for k, v in flags.items()]
+    with Run.from_args(argv) as run:
+        trainer = run.trainer(SFTTrainer, run.model())
+        trainer.fit()
+    return trainer.history
+
+
+def test_streamed_training_resumes_exactly_at_two_ranks(ranks, tmp_path, tok):
+    import shutil
+
+    tok.save_pretrained(tmp_path / "tok")
+    rows = [{"input": w + "=", "output": w[::-1]} for w in
+            ("abc", "bcad", "cdeab", "defg", "efghi", "fgh", "ghij", "hij", "ijab", "jab",
+             "abcd", "bcde", "cdef", "defgh", "efg", "fghij", "gha", "hia", "iab")]  # 19: odd
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    full = ranks.run(streamed_sft, str(tmp_path), "full")[0]
+    assert [r["step"] for r in full] == list(range(1, 9))  # 8 steps of 8: past a pass of 19
+    ckpt = tmp_path / "full" / "ckpt"
+    shutil.rmtree(ckpt / "global_step8")
+    (ckpt / "latest").write_text("global_step4")
+    resumed = ranks.run(streamed_sft, str(tmp_path), "full", load_checkpoint=True)[0]
+    keys = ("step", "loss", "grad_norm")
+    assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys}
+                                                         for r in full[4:]]

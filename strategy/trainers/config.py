@@ -126,6 +126,9 @@ class DataConfig:
                               "failing", False)
     max_samples: int = doc("use at most N training samples (-1: all)", -1)
     packing_samples: bool = doc("SFT: pack several short samples into one max_len row", False)
+    streaming: bool = doc("read --dataset lazily (larger than memory): a seeded shuffle buffer, "
+                          "pass after pass; needs --max_steps; resume is exact", False)
+    shuffle_buffer: int = doc("--streaming: rows held to shuffle from", 10000)
 
     def __post_init__(self) -> None:
         if self.max_len < 2:
@@ -141,6 +144,10 @@ class DataConfig:
                  "not both")
         if self.dataset_probs is not None:
             self.probabilities()
+        if self.streaming and self.packing_samples:
+            fail("packing_samples", True, "packing needs the whole dataset; drop it or "
+                 "--streaming")
+        check_positive(self, "shuffle_buffer")
 
     def probabilities(self) -> list[float] | None:
         """The ``--dataset_probs`` weights, one per ``--dataset`` entry (None: concatenate).

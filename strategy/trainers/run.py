@@ -45,6 +45,7 @@ from strategy.trainers.config import (
 from strategy.trainers.data import packing
 from strategy.trainers.data.files import hub_name
 from strategy.trainers.loop import StepPlan, plan_steps
+from strategy.trainers.loop.steps import sample_count
 
 CONFIG_CLASSES = (StrategyConfig, OptimConfig, CheckpointConfig, ModelConfig, TrainConfig,
                   DataConfig, LoraConfig, DPOConfig)
@@ -110,6 +111,9 @@ class Run:
         dist.from_slurm()  # the ranks srun started
         strategy_cfg.validate_world(dist.get_world_size())  # from the launcher's environment
         check_model(model_cfg, lora_cfg, data_cfg, strategy_cfg)
+        if data_cfg.streaming and train_cfg.max_steps <= 0:
+            raise ConfigError("streaming=True is invalid without --max_steps: a stream has no "
+                              "length to plan epochs by; pass --max_steps N")
         if trainer is not None:
             trainer.check_settings(by_type, dist.get_world_size())
         if train_cfg.load_checkpoint:
@@ -196,7 +200,7 @@ class Run:
             The trainer, ready to ``fit()``.
         """
         train, held = self.loaders(cls.data)
-        plan = cls.plan(self.strategy, len(train.dataset), self.train, **kwargs)
+        plan = cls.plan(self.strategy, sample_count(train), self.train, **kwargs)
         optimizer, scheduler = self.optimizer_and_scheduler(model, plan=plan)
         return cls(self.strategy, model, optimizer=optimizer, scheduler=scheduler,
                    train_dataloader=train, eval_dataloader=held, config=self.train,
@@ -216,7 +220,7 @@ class Run:
             ``(optimizer, scheduler)``.
         """
         if plan is None:
-            plan = plan_steps(len(train_loader.dataset), self.strategy.config.train_batch_size,
+            plan = plan_steps(sample_count(train_loader), self.strategy.config.train_batch_size,
                               self.train.max_epochs, self.train.max_steps)
         optimizer = self.strategy.create_optimizer(model)
         scheduler = self.strategy.create_scheduler(optimizer,

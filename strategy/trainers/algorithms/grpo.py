@@ -119,6 +119,8 @@ class GRPOTrainer(Trainer):
             ConfigError: a setting GRPO cannot run with.
         """
         grpo, model = configs[GRPOConfig], configs[ModelConfig]
+        if configs[DataConfig].streaming:
+            fail("streaming", True, "GRPO's prompts are read whole; drop --streaming")
         check_grpo(configs[StrategyConfig], configs[TrainConfig], grpo,
                    configs[DataConfig].max_len, world_size)
         if grpo.reward_fn:

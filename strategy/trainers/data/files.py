@@ -209,13 +209,12 @@ def _admit(stats: Stats, cut: int, labels: list[int], cfg: DataConfig, where: st
     return True
 
 
-def _samples(path: str, cfg: DataConfig, stats: Stats, max_samples: int, make,
-             source: dict | None = None):
+def admitted_parts(rows, name: str, split: str, cfg: DataConfig, stats: Stats, make):
     """``make(row, where) -> [(ids, labels, cut), ...]`` for each row; a bad row raises, or is
     counted and skipped with ``skip_bad_rows``; the overlong policy then admits each part (a row
     is kept only if all its parts are)."""
-    for i, row in enumerate(read_rows(path, max_samples, **(source or {}))):
-        where = f"{path} [{(source or {}).get('split', 'train')}] row {i}"
+    for i, row in enumerate(rows):
+        where = f"{name} [{split}] row {i}"
         try:
             parts = make(row, where)
         except DataError as e:
@@ -235,11 +234,9 @@ def _finish(out: list[dict], stats: Stats, path: str) -> list[dict]:
     return out
 
 
-def load_sft(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1,
-             **source: Any) -> list[dict]:
-    """SFT samples ``{"input_ids", "labels"}`` from prompt/response rows or chat rows (a
-    ``messages`` list); rows failing checks raise, or are counted and skipped."""
-    stats, tok = Stats(path), Tokenize(tokenizer, cfg)
+def sft_parts(tokenizer: Any, cfg: DataConfig):
+    """``make(row, where)`` of SFT rows: prompt/response, TRL's prompt/completion, or chats."""
+    tok = Tokenize(tokenizer, cfg)
 
     def make(row: dict, where: str) -> list[tuple[list[int], list[int], int]]:
         if row.get(cfg.messages_key) is not None:
@@ -249,17 +246,12 @@ def load_sft(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1,
             return [tok.response(row["prompt"], row["completion"], where)]
         prompt, response = (_text(row, key, where) for key in (cfg.input_key, cfg.output_key))
         return [tok.pair(prompt, response)]
-
-    out = [{"input_ids": ids, "labels": labels}
-           for (ids, labels, _), in _samples(path, cfg, stats, max_samples, make, source)]
-    return _finish(out, stats, path)
+    return make
 
 
-def load_pairs(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1,
-               **source: Any) -> list[dict]:
-    """Preference samples ``{"chosen_ids", "chosen_labels", "rejected_ids",
-    "rejected_labels"}``."""
-    stats, tok = Stats(path), Tokenize(tokenizer, cfg)
+def pair_parts(tokenizer: Any, cfg: DataConfig):
+    """``make(row, where)`` of preference rows: text, or TRL's conversations."""
+    tok = Tokenize(tokenizer, cfg)
 
     def make(row: dict, where: str) -> list[tuple[list[int], list[int], int]]:
         chosen, rejected = row.get(cfg.chosen_key), row.get(cfg.rejected_key)
@@ -271,12 +263,40 @@ def load_pairs(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1
         keys = (cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
         prompt, chosen, rejected = (_text(row, key, where) for key in keys)
         return [tok.pair(prompt, chosen), tok.pair(prompt, rejected)]
+    return make
 
-    out = [{"chosen_ids": c_ids, "chosen_labels": c_labels, "rejected_ids": r_ids,
+
+def sft_sample(parts: list) -> dict:
+    ((ids, labels, _),) = parts
+    return {"input_ids": ids, "labels": labels}
+
+
+def pair_sample(parts: list) -> dict:
+    (c_ids, c_labels, _), (r_ids, r_labels, _) = parts
+    return {"chosen_ids": c_ids, "chosen_labels": c_labels, "rejected_ids": r_ids,
             "rejected_labels": r_labels}
-           for (c_ids, c_labels, _), (r_ids, r_labels, _) in _samples(
-               path, cfg, stats, max_samples, make, source)]
-    return _finish(out, stats, path)
+
+
+def _load_samples(path: str, make, assemble, cfg: DataConfig, max_samples: int,
+                  source: dict) -> list[dict]:
+    stats, split = Stats(path), source.get("split", "train")
+    rows = read_rows(path, max_samples, **source)
+    samples = [assemble(p) for p in admitted_parts(rows, path, split, cfg, stats, make)]
+    return _finish(samples, stats, path)
+
+
+def load_sft(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1,
+             **source: Any) -> list[dict]:
+    """SFT samples ``{"input_ids", "labels"}`` from prompt/response rows or chat rows (a
+    ``messages`` list); rows failing checks raise, or are counted and skipped."""
+    return _load_samples(path, sft_parts(tokenizer, cfg), sft_sample, cfg, max_samples, source)
+
+
+def load_pairs(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1,
+               **source: Any) -> list[dict]:
+    """Preference samples ``{"chosen_ids", "chosen_labels", "rejected_ids",
+    "rejected_labels"}``."""
+    return _load_samples(path, pair_parts(tokenizer, cfg), pair_sample, cfg, max_samples, source)
 
 
 def load_prompts(path: str, tokenizer: Any, cfg: DataConfig, max_prompt_len: int,
@@ -293,5 +313,7 @@ def load_prompts(path: str, tokenizer: Any, cfg: DataConfig, max_prompt_len: int
         kept.append({"prompt_ids": ids[cut:], "prompt": text, "row": row})
         return [(ids[cut:], ids[cut:], cut)]
 
-    out = [kept[-1] for _ in _samples(path, cfg, stats, max_samples, make, source)]
+    rows = read_rows(path, max_samples, **source)
+    split = source.get("split", "train")
+    out = [kept[-1] for _ in admitted_parts(rows, path, split, cfg, stats, make)]
     return _finish(out, stats, path)

@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from torch.utils.data import DataLoader
+
 from strategy.errors import ConfigError, fail
 from strategy.trainers.data import collate, files, packing
+from strategy.trainers.data.stream import TokenStream, open_stream
 
 Loader = Callable[..., list]  # (path, tokenizer, DataConfig, max_samples) -> samples
 Collator = Callable[[int], Callable]  # pad id -> collate_fn
@@ -25,12 +28,17 @@ class DataSpec:
         collate: ``collate(pad_id) -> collate_fn`` of plain batches.
         pack: ``pack(samples, max_len) -> rows`` for ``--packing_samples`` (None: no packing).
         collate_packed: ``collate_packed(pad_id) -> collate_fn`` of packed rows.
+        parts: ``parts(tokenizer, cfg) -> make(row, where)`` for ``--streaming`` (None: the
+            data cannot be streamed).
+        assemble: one sample from ``make``'s parts (with ``parts``).
     """
 
     load: Loader
     collate: Collator
     pack: Callable[[list, int], list] | None = None
     collate_packed: Collator | None = None
+    parts: Callable | None = None
+    assemble: Callable | None = None
 
     def samples(self, path: str, tokenizer: Any, cfg: Any, max_samples: int = -1,
                 **source: Any) -> list:
@@ -82,21 +90,49 @@ class DataSpec:
             ConfigError: fewer training samples than one optimizer step takes.
         """
         cfg, strategy = run.data, run.strategy
-        train = self.samples(cfg.dataset, run.tokenizer, cfg, cfg.max_samples,
-                             **train_source(cfg))
+        if cfg.streaming:
+            train = self.stream(run)
+        else:
+            train = self.samples(cfg.dataset, run.tokenizer, cfg, cfg.max_samples,
+                                 **train_source(cfg))
         collate_fn = self.collate_fn(run.tokenizer.pad_token_id, cfg.packing_samples)
         batch = strategy.config.train_batch_size
-        if len(train) < batch:
+        if not cfg.streaming and len(train) < batch:
             raise ConfigError(f"train_batch_size={batch} is invalid: larger than the {len(train)} "
                               f"training samples in {cfg.dataset}; lower it or add data")
-        train_loader = strategy.setup_dataloader(train, strategy.config.micro_train_batch_size,
-                                                 shuffle=True, collate_fn=collate_fn)
+        micro = strategy.config.micro_train_batch_size
+        if cfg.streaming:  # the stream deals, shuffles and resumes itself
+            train_loader = DataLoader(train, batch_size=micro, collate_fn=collate_fn)
+        else:
+            train_loader = strategy.setup_dataloader(train, micro, shuffle=True,
+                                                     collate_fn=collate_fn)
         if not cfg.eval_dataset:
             return train_loader, None
         held = self.samples(cfg.eval_dataset, run.tokenizer, cfg,  # rows as training sees them
                             split=cfg.eval_split)
         return train_loader, strategy.setup_eval_dataloader(
             held, strategy.config.micro_eval_batch_size, collate_fn=collate_fn)
+
+
+    def stream(self, run: Any) -> TokenStream:
+        """``--dataset`` streamed: this data-parallel rank's samples, tokenized as they come.
+
+        Args:
+            run: the ``Run`` (strategy, tokenizer, data config).
+
+        Returns:
+            A ``TokenStream``.
+
+        Raises:
+            ConfigError: this trainer's data cannot be streamed.
+        """
+        if self.parts is None:
+            fail("streaming", True, "this trainer's data cannot be streamed; drop the flag")
+        cfg, strategy = run.data, run.strategy
+        rows = open_stream(cfg.dataset, cfg.dataset_split, cfg)
+        return TokenStream(rows, self.parts(run.tokenizer, cfg), self.assemble, cfg, cfg.dataset,
+                           strategy.data_parallel_rank, strategy.data_parallel_size,
+                           strategy.config.seed)
 
 
 def train_source(cfg: Any) -> dict:
@@ -159,7 +195,8 @@ class PromptSpec:
             held, strategy.config.micro_eval_batch_size, collate_fn=collate_fn)
 
 
-SFT = DataSpec(files.load_sft, collate.collate_sft, packing.pack, packing.collate_packed)
+SFT = DataSpec(files.load_sft, collate.collate_sft, packing.pack, packing.collate_packed,
+               files.sft_parts, files.sft_sample)
 PAIRS = DataSpec(files.load_pairs, collate.collate_pairs, packing.pack_pairs,
-                 packing.collate_packed_pairs)
+                 packing.collate_packed_pairs, files.pair_parts, files.pair_sample)
 PROMPTS = PromptSpec()

@@ -21,9 +21,20 @@ class StepPlan:
     total_steps: int
 
 
-def plan_steps(num_samples: int, train_batch_size: int, max_epochs: int,
+def plan_steps(num_samples: int | None, train_batch_size: int, max_epochs: int,
                max_steps: int = -1) -> StepPlan:
-    """``max_steps`` > 0 caps the run."""
+    """``max_steps`` > 0 caps the run; a stream (``num_samples`` None) runs ``max_steps`` in one
+    go."""
+    if num_samples is None:
+        return StepPlan(max_steps, max_steps)
     per_epoch = num_samples // train_batch_size
     total = per_epoch * max_epochs
     return StepPlan(per_epoch, min(total, max_steps) if max_steps > 0 else total)
+
+
+def sample_count(loader) -> int | None:
+    """Samples in a loader's dataset; None for a stream (no length)."""
+    try:
+        return len(loader.dataset)
+    except TypeError:
+        return None

@@ -29,7 +29,7 @@ from strategy.metrics import create_logger
 from strategy.trainers.config import TrainConfig
 from strategy.trainers.data.spec import SFT
 from strategy.trainers.loop.metrics import MetricSums, lockstep_batches, one_sample_batch
-from strategy.trainers.loop.steps import StepPlan, plan_steps
+from strategy.trainers.loop.steps import StepPlan, plan_steps, sample_count
 from strategy.trainers.loop.throughput import StepMeter
 
 MAIN = "model"  # the name of the engine every trainer has (``Trainer.model``)
@@ -213,6 +213,11 @@ class Trainer:
             ``(epoch, optimizer steps of that epoch already done)``; ``train_dataloader`` must
             stand there.
         """
+        stream = self.train_dataloader.dataset
+        if hasattr(stream, "resume_at"):  # a stream: skip what this rank already trained on
+            per_step = self.strategy.accumulation_steps * self.train_dataloader.batch_size
+            stream.resume_at(state.global_step * per_step)
+            return 0, state.global_step
         return state.epoch, state.epoch_consumed // self.strategy.config.train_batch_size
 
     def on_step_end(self, metrics: dict) -> None:
@@ -233,12 +238,12 @@ class Trainer:
         """
 
     @classmethod
-    def plan(cls, strategy, num_samples: int, cfg: TrainConfig, **_: Any) -> StepPlan:
+    def plan(cls, strategy, num_samples: int | None, cfg: TrainConfig, **_: Any) -> StepPlan:
         """Optimizer steps per epoch and in all, before the trainer exists (for the schedule).
 
         Args:
             strategy: the strategy (batch sizes, world size).
-            num_samples: training samples (or prompts) in the data.
+            num_samples: training samples (or prompts) in the data; None for a stream.
             cfg: the ``TrainConfig`` (epochs, max steps).
             **_: the trainer's own keyword arguments, for trainers whose steps depend on them.
 
@@ -273,7 +278,7 @@ class Trainer:
     @property
     def step_plan(self) -> StepPlan:
         """This trainer's ``plan`` over its training data."""
-        return self.plan(self.strategy, len(self.train_dataloader.dataset), self.cfg)
+        return self.plan(self.strategy, sample_count(self.train_dataloader), self.cfg)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -318,7 +323,9 @@ class Trainer:
                          dynamic_ncols=True, disable=not self.strategy.is_rank_0, mininterval=2.0)
         for epoch in range(start_epoch, self.cfg.max_epochs):
             if epoch > start_epoch or not self.cfg.load_checkpoint:
-                self.train_dataloader.sampler.set_epoch(epoch)
+                sampler = getattr(self.train_dataloader, "sampler", None)
+                if hasattr(sampler, "set_epoch"):  # a stream reshuffles itself each pass
+                    sampler.set_epoch(epoch)
                 done_in_epoch = 0
             steps = min(plan.steps_per_epoch - done_in_epoch, plan.total_steps - self.global_step)
             for step in self.train_steps(epoch, steps):
@@ -524,7 +531,8 @@ class Trainer:
     def _resume(self) -> tuple[int, int]:
         """Load the newest complete checkpoint of every engine; return (epoch, steps already
         done in it) from ``resume_position``."""
-        loader = self.train_dataloader if self.resume_by_samples else None
+        sampled = hasattr(getattr(self.train_dataloader, "sampler", None), "load_state_dict")
+        loader = self.train_dataloader if self.resume_by_samples and sampled else None
         path, _ = self.strategy.load_ckpt(self.model, dataloader=loader, ema=self.ema)
         if path is None:
             where = self.strategy.checkpoint.ckpt_path
