@@ -45,8 +45,8 @@ def _base(toy) -> dict:
 CASES = [
     # OpenRLHF's flags that are not here yet: one line naming ours
     ({"aux_loss_coef": 0.01}, "aux_loss_coef=0.01 is invalid: the MoE router"),
-    ({"disable_ds_ckpt": True}, "disable_ds_ckpt=True is invalid: resume checkpoints are "
-                                "DeepSpeed's here; use --save_steps -1"),
+    ({"disable_ds_ckpt": True, "load_checkpoint": True},
+     "disable_ds_ckpt=True is invalid: it saves no DeepSpeed state"),
     ({"ipo": True}, "ipo=True is invalid: the IPO loss is not here yet"),
     ({"streaming": True}, "streaming=True is invalid without --max_steps"),
     ({"zero_stage": 4}, "zero_stage=4 is invalid"),

@@ -158,7 +158,7 @@ def preference_and_chat(root: str) -> dict:
         trainer = run.trainer(DPOTrainer, run.model(), ref_model=reference, dpo=run.dpo)
         out["dpo"] = (trainer.fit(), trainer.history)
     argv = _argv(root, "chat", "sft_chat", pretrain=f"{root}/init", tokenizer=f"{root}/tok",
-                 max_len=64)
+                 max_len=64, save_steps=2, disable_ds_ckpt=True)  # exports only, as OpenRLHF
     argv = [a for a in argv if not a.startswith("--eval_dataset")]
     with Run.from_args(argv) as run:
         trainer = run.trainer(SFTTrainer, run.model())
@@ -176,6 +176,9 @@ def test_dpo_and_chat_sft_run_on_checkpoint_conventions(ranks, real):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in history) and "loss" in final
     _, history, ids, labels = out["chat"]
     assert [r["step"] for r in history] == [1, 2, 3]
+    saved = sorted(p.name for p in (real / "chat" / "ckpt").iterdir())
+    assert saved == ["global_step2_hf"], saved  # --disable_ds_ckpt: an export, no DeepSpeed state
+    assert (real / "chat" / "ckpt" / "global_step2_hf" / "model.safetensors").is_file()
     tok = AutoTokenizer.from_pretrained(real / "tok")
     end_of_turn, eos = tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id
     scored = labels[labels != -100]

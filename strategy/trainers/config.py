@@ -59,8 +59,8 @@ class TrainConfig:
                           False)
     use_tensorboard: str | None = doc("OpenRLHF's TensorBoard directory: the same as --log_dir "
                                       "(metrics.jsonl goes there too)", None)
-    disable_ds_ckpt: bool = doc("OpenRLHF's flag: refused (resume checkpoints are DeepSpeed's; "
-                                "--save_steps -1 saves none, --save_hf_ckpt adds HF exports)",
+    disable_ds_ckpt: bool = doc("at --save_steps, save only an HF export (<ckpt_path>/<tag>_hf), "
+                                "no DeepSpeed state (OpenRLHF's flag; nothing to resume from)",
                                 False)
     max_shard_size: str = doc("largest safetensors shard of an export, e.g. 5GB or 500MB", "5GB")
     loss_weighting: str = doc("'step': every token (sample, for pair losses) of an optimizer step "
@@ -79,9 +79,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_positive(self, "max_epochs", "logging_steps", "logits_chunk_size")
-        if self.disable_ds_ckpt:
-            fail("disable_ds_ckpt", True, "resume checkpoints are DeepSpeed's here; use "
-                 "--save_steps -1 to save none, or --save_hf_ckpt to add HF exports")
+        if self.disable_ds_ckpt and self.load_checkpoint:
+            fail("disable_ds_ckpt", True, "it saves no DeepSpeed state, so --load_checkpoint "
+                 "has nothing to resume from; drop one of them")
         if self.use_tensorboard is not None:
             object.__setattr__(self, "log_dir", self.use_tensorboard)
         check_steps(self, "eval_steps", "save_steps", "max_steps")

@@ -499,8 +499,14 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Save a resume checkpoint of every trained engine at this step (collective): ``model``
-        in ``ckpt_path``, another engine ``name`` in ``<ckpt_path>_<name>``, same tag."""
+        in ``ckpt_path``, another engine ``name`` in ``<ckpt_path>_<name>``, same tag. With
+        ``disable_ds_ckpt`` (OpenRLHF's flag): only an HF export at ``<ckpt_path>/<tag>_hf``."""
         tag = f"global_step{self.global_step}"
+        hf_path = os.path.join(self.strategy.checkpoint.ckpt_path, f"{tag}_hf")
+        if self.cfg.disable_ds_ckpt:  # an export, no DeepSpeed state: nothing to resume from
+            self.save_model(hf_path)
+            log.info("saved %s (no DeepSpeed state: --disable_ds_ckpt)", hf_path)
+            return
         metric = self._checkpoint_metric()
         path = self.strategy.save_ckpt(self.model, tag=tag, metric=metric,
                                        tokenizer=self.tokenizer, ema=self.ema)
@@ -508,7 +514,7 @@ class Trainer:
             self.strategy.save_ckpt(engine, save_dir=_beside(self.strategy.checkpoint.ckpt_path,
                                                              name), tag=tag, metric=metric)
         if self.cfg.save_hf_ckpt:
-            self.save_model(os.path.join(self.strategy.checkpoint.ckpt_path, f"{tag}_hf"))
+            self.save_model(hf_path)
         log.info("saved %s", path)
 
     def _extra_engines(self) -> list[tuple[str, Any]]:
