@@ -10,7 +10,7 @@ from strategy.trainers.run import Run
 
 
 def main(argv: list[str] | None = None) -> dict:
-    with Run.from_args(argv) as run:
+    with Run.from_args(argv, trainer=DPOTrainer) as run:
         model = run.model()
         source = run.model_cfg.ref_pretrain or run.model_cfg.pretrain
         reference = (run.strategy.from_pretrained(source, frozen=True) if source

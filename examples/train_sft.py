@@ -10,7 +10,7 @@ from strategy.trainers.run import Run
 
 
 def main(argv: list[str] | None = None) -> dict:
-    with Run.from_args(argv) as run:
+    with Run.from_args(argv, trainer=SFTTrainer) as run:
         return run.trainer(SFTTrainer, run.model()).fit()
 
 

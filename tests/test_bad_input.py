@@ -44,7 +44,7 @@ def _base(toy) -> dict:
 
 CASES = [
     # OpenRLHF's flags that are not here yet: one line naming ours
-    ({"aux_loss_coef": 0.01}, "aux_loss_coef=0.01 is invalid: the MoE router"),
+    ({"aux_loss_coef": 0.01}, "aux_loss_coef=0.01 is invalid: llama has no router loss"),
     ({"disable_ds_ckpt": True, "load_checkpoint": True},
      "disable_ds_ckpt=True is invalid: it saves no DeepSpeed state"),
     ({"ipo": True}, "ipo=True is invalid: the IPO loss is not here yet"),

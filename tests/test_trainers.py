@@ -362,3 +362,29 @@ def test_two_trained_engines_step_checkpoint_resume_and_export(ranks, toy):
     keys = ("step", "loss", "critic_loss", "grad_norm")
     assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys}
                                                          for r in full[2:]]
+
+
+def moe_sft(toy: str, coef: float) -> list[dict]:
+    from strategy.trainers import Run, SFTTrainer
+
+    config = f"{toy}/mixtral.json"
+    argv = _argv(2, toy, f"moe{coef}", "sft", model_config=config, max_steps=2,
+                 aux_loss_coef=coef, learning_rate=1e-3)
+    with Run.from_args(argv, trainer=SFTTrainer) as run:
+        trainer = run.trainer(SFTTrainer, run.model())
+        trainer.fit()
+    return trainer.history
+
+
+def test_moe_router_loss_is_added_per_micro_batch(ranks, toy):
+    """OpenRLHF's --aux_loss_coef on a tiny Mixtral: the step's loss is the response loss plus
+    coef x the router's load-balancing loss (the same first step with coef 0 gives the former)."""
+    (toy / "mixtral.json").write_text(json.dumps({
+        "model_type": "mixtral", "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64}))
+    plain = ranks.run(moe_sft, str(toy), 0.0)[0]
+    routed = ranks.run(moe_sft, str(toy), 0.5)[0]
+    assert "aux_loss" not in plain[0] and routed[0]["aux_loss"] > 0
+    assert routed[0]["loss"] == pytest.approx(plain[0]["loss"] + 0.5 * routed[0]["aux_loss"],
+                                              rel=1e-5)

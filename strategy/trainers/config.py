@@ -26,13 +26,8 @@ class ModelConfig:
 
     ref_pretrain: str | None = doc("the frozen reference of DPO/GRPO (default: --pretrain)",
                                    None)
-    aux_loss_coef: float = doc("OpenRLHF's MoE router loss weight: refused above 0 (not here "
-                               "yet)", 0.0)
 
     def __post_init__(self) -> None:
-        if self.aux_loss_coef:
-            fail("aux_loss_coef", self.aux_loss_coef, "the MoE router (load-balancing) loss is "
-                 "not here yet; drop the flag")
         if self.pretrain is None and self.model_config is None:
             fail("pretrain", None, "set --pretrain MODEL_DIR, or --model_config config.json to "
                  "train from scratch")
@@ -73,6 +68,8 @@ class TrainConfig:
     peak_tflops: float | None = doc("accelerator peak TFLOPS per device for the logged MFU "
                                     "(default: known H100/H200/A100 bf16 figures; none on CPU)",
                                     None)
+    aux_loss_coef: float = doc("SFT of an MoE model (Mixtral, Qwen2-MoE...): weight of the "
+                               "router's load-balancing loss, added per micro-batch", 0.0)
     ema_beta: float = doc("keep an exponential moving average of the trained weights with this "
                           "decay, e.g. 0.999 (0: off); saved in checkpoints", 0.0)
     save_ema: bool = doc("also export the moving-average weights to <save_path>_ema", False)
@@ -87,6 +84,8 @@ class TrainConfig:
         check_steps(self, "eval_steps", "save_steps", "max_steps")
         if self.loss_weighting not in LOSS_WEIGHTINGS:
             fail("loss_weighting", self.loss_weighting, "use step or micro_batch")
+        if self.aux_loss_coef < 0:
+            fail("aux_loss_coef", self.aux_loss_coef, "use a weight >= 0, e.g. 0.001")
         if not 0 <= self.ema_beta < 1:
             fail("ema_beta", self.ema_beta, "use a decay in [0, 1), e.g. 0.999 (0: off)")
         if self.save_ema and not self.ema_beta:

@@ -110,7 +110,7 @@ class Run:
         check_paths(model_cfg, train_cfg, data_cfg, ckpt_cfg)
         dist.from_slurm()  # the ranks srun started
         strategy_cfg.validate_world(dist.get_world_size())  # from the launcher's environment
-        check_model(model_cfg, lora_cfg, data_cfg, strategy_cfg)
+        check_model(model_cfg, lora_cfg, data_cfg, strategy_cfg, train_cfg)
         if data_cfg.streaming and train_cfg.max_steps <= 0:
             raise ConfigError("streaming=True is invalid without --max_steps: a stream has no "
                               "length to plan epochs by; pass --max_steps N")
@@ -150,6 +150,8 @@ class Run:
         """
         pretrain = self.model_cfg.pretrain
         attention = {"attn_implementation": self.model_cfg.attn_implementation}
+        if self.train.aux_loss_coef > 0:  # the router loss returned apart; SFTTrainer adds it
+            kwargs.update(output_router_logits=True, router_aux_loss_coef=0.0)
         if pretrain:
             model = self.strategy.from_pretrained(pretrain, auto_cls, **attention, **kwargs)
         else:
@@ -285,7 +287,7 @@ def check_paths(model: ModelConfig, train: TrainConfig, data_cfg: DataConfig,
 
 
 def check_model(model: ModelConfig, lora: LoraConfig, data_cfg: DataConfig,
-                strategy: StrategyConfig) -> None:
+                strategy: StrategyConfig, train: TrainConfig | None = None) -> None:
     """What the model's config decides, before any rank starts: LoRA targets (on a weightless
     meta-device copy), packing, sequence parallelism, an attention kernel that is installed."""
     if model.attn_implementation == "flash_attention_2" and not importlib.util.find_spec(
@@ -303,6 +305,8 @@ def check_model(model: ModelConfig, lora: LoraConfig, data_cfg: DataConfig,
             check_targets(AutoModelForCausalLM.from_config(config), lora.target_modules)
     if data_cfg.packing_samples:
         packing.check_packing_family(config.model_type)
+    if train is not None and train.aux_loss_coef > 0:
+        check_router_loss(config, train)
     sequence = strategy.sequence_parallel_size
     check_sequence_parallel(config, sequence)
     check_tensor_parallel(config, strategy.tensor_parallel_size)
@@ -311,6 +315,19 @@ def check_model(model: ModelConfig, lora: LoraConfig, data_cfg: DataConfig,
                           "and sdpa: Ulysses drops masks, so sdpa would attend across packed "
                           "samples; use --attn_implementation flash_attention_2 (GPU) or no "
                           "packing")
+
+
+def check_router_loss(config: Any, train: TrainConfig) -> None:
+    """``--aux_loss_coef`` needs a model with a router (MoE) and the plain (untiled) loss."""
+    if not hasattr(config, "output_router_logits"):
+        raise ConfigError(f"aux_loss_coef={train.aux_loss_coef} is invalid: {config.model_type} "
+                          "has no router loss; use it with an MoE model (Mixtral, Qwen2-MoE...) "
+                          "or set 0")
+    tiled = train.tiled_logits_loss
+    if tiled or (tiled is None and config.get_text_config().vocab_size >= 65536):
+        raise ConfigError(f"aux_loss_coef={train.aux_loss_coef} is invalid with the tiled logits "
+                          "loss (the router loss comes from the full forward); pass "
+                          "--no-tiled_logits_loss or set 0")
 
 
 def _dataset_source_exists(source: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from strategy.trainers.algorithms.sft import refuse_router_loss
 from strategy.trainers.config import DPOConfig
 from strategy.trainers.data import PAIRS
 from strategy.trainers.data.packing import pair_count, per_sample_sums
@@ -48,6 +49,19 @@ class DPOTrainer(Trainer):
     """
 
     data = PAIRS
+
+    @classmethod
+    def check_settings(cls, configs: dict, world_size: int) -> None:
+        """DPO adds no MoE router loss.
+
+        Args:
+            configs: the parsed configs by class.
+            world_size: ranks the launcher started.
+
+        Raises:
+            ConfigError: ``aux_loss_coef`` > 0.
+        """
+        refuse_router_loss(configs, cls.__name__)
 
     def __init__(self, strategy, model, ref_model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config=None, tokenizer=None,

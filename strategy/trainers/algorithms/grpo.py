@@ -38,6 +38,7 @@ from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.model import base_model
 from strategy.trainers.algorithms.rewards import load_reward_fn
+from strategy.trainers.algorithms.sft import refuse_router_loss
 from strategy.trainers.config import DataConfig, GRPOConfig, ModelConfig, TrainConfig
 from strategy.trainers.data import PROMPTS
 from strategy.trainers.data.spec import prompts_per_rank
@@ -119,6 +120,7 @@ class GRPOTrainer(Trainer):
             ConfigError: a setting GRPO cannot run with.
         """
         grpo, model = configs[GRPOConfig], configs[ModelConfig]
+        refuse_router_loss(configs, cls.__name__)
         if configs[DataConfig].streaming:
             fail("streaming", True, "GRPO's prompts are read whole; drop --streaming")
         check_grpo(configs[StrategyConfig], configs[TrainConfig], grpo,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from strategy.errors import fail
+from strategy.trainers.config import TrainConfig
 from strategy.trainers.data import SFT
 from strategy.trainers.loop import Trainer
 from strategy.trainers.losses import IGNORE, forward_inputs, response_loss, tiled_loss_sum
@@ -19,18 +21,31 @@ def response_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE).sum())
 
 
+def refuse_router_loss(configs: dict, trainer: str) -> None:
+    """``--aux_loss_coef`` is SFT's; another trainer refuses it rather than ignore it."""
+    coef = configs[TrainConfig].aux_loss_coef
+    if coef:
+        fail("aux_loss_coef", coef, f"the MoE router loss is added by SFT here, not by "
+             f"{trainer}; set 0")
+
+
 class SFTTrainer(Trainer):
     """Causal LM on (prompt, response) or chat samples from ``data.load_sft`` (optionally
     packed)."""
 
     data = SFT
+    _router_loss = None  # the MoE router loss of the last forward (with --aux_loss_coef)
 
     def loss_counts(self, batch: dict) -> dict[str, int]:
         return {"tokens": response_tokens(batch["labels"])}
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
         metrics = {"response_tokens": self.micro_counts["tokens"]}  # of the whole batch
-        return self.normalize(self.loss_sum(batch), "tokens"), metrics
+        loss = self.normalize(self.loss_sum(batch), "tokens")
+        if self._router_loss is not None:  # MoE load balancing, a mean per micro-batch
+            metrics["aux_loss"] = self._router_loss.item()
+            loss = loss + self.cfg.aux_loss_coef * self._router_loss
+        return loss, metrics
 
     @property
     def tiled(self) -> bool:
@@ -50,6 +65,7 @@ class SFTTrainer(Trainer):
         Returns:
             The summed loss (a scalar tensor; ``normalize`` divides it).
         """
+        self._router_loss = None
         if self.tiled:
             length = batch["input_ids"].numel()
             most = int(self.strategy.all_reduce(length, op="max"))
@@ -59,4 +75,6 @@ class SFTTrainer(Trainer):
             inputs.update(labels=batch["shift_labels"], shift_labels=batch["shift_labels"])
         else:  # the model's own loss shifts the labels, not the logits (no copy of the largest)
             inputs["labels"] = batch["labels"]
-        return self.model(**inputs, num_items_in_batch=1).loss  # a sum: normalize() divides
+        out = self.model(**inputs, num_items_in_batch=1)
+        self._router_loss = out.aux_loss if self.cfg.aux_loss_coef > 0 else None
+        return out.loss  # a sum (the router loss is added apart: router_aux_loss_coef is 0)
