@@ -229,3 +229,17 @@ def test_openrlhf_logging_flags_keep_their_meaning(monkeypatch):
     assert __import__("os").environ["WANDB_API_KEY"] == "abc123"
     assert openrlhf_argv(["--target_modules", "q_proj", "v_proj", "--lora_rank", "8"]) == [
         "--target_modules", "q_proj,v_proj", "--lora_rank", "8"]
+
+
+def test_openrlhf_rm_loss_flag(toy, monkeypatch):
+    """OpenRLHF's RM ``--loss sigmoid|logexpsigmoid`` (one function) is taken; another is one
+    line naming the choices."""
+    from strategy.trainers import RewardModelTrainer
+    from strategy.trainers.config import RewardConfig
+    from strategy.trainers.run import Run
+    from tests.support.helpers import forbid_process_group
+
+    assert RewardConfig(loss="logexpsigmoid").loss == "logexpsigmoid"
+    forbid_process_group(monkeypatch)
+    with pytest.raises(ConfigError, match="loss='hinge' is invalid: use sigmoid"):
+        Run.from_args(_argv({**_base(toy), "loss": "hinge"}), trainer=RewardModelTrainer)

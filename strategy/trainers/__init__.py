@@ -21,6 +21,7 @@ from strategy.trainers.config import (
     GRPOConfig,
     LoraConfig,
     ModelConfig,
+    RewardConfig,
     TrainConfig,
 )
 from strategy.trainers.data import DataSpec
@@ -28,5 +29,5 @@ from strategy.trainers.loop import Step, Trainer
 from strategy.trainers.run import Run
 
 __all__ = ["DPOConfig", "DPOTrainer", "DataConfig", "DataSpec", "GRPOConfig", "GRPOTrainer",
-           "LoraConfig", "ModelConfig", "RewardModelTrainer", "Run", "SFTTrainer", "Step",
+           "LoraConfig", "ModelConfig", "RewardConfig", "RewardModelTrainer", "Run", "SFTTrainer", "Step",
            "TrainConfig", "Trainer"]

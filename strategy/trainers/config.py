@@ -213,6 +213,19 @@ class DPOConfig:
 
 
 @dataclass(frozen=True)
+class RewardConfig:
+    """Reward-model training."""
+
+    loss: str = doc("RM pairwise loss: sigmoid, -log sigmoid(chosen - rejected) (OpenRLHF's "
+                    "logexpsigmoid, log(1 + exp(rejected - chosen)), is the same function)",
+                    "sigmoid")
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("sigmoid", "logexpsigmoid"):
+            fail("loss", self.loss, "use sigmoid (or logexpsigmoid, the same function)")
+
+
+@dataclass(frozen=True)
 class GRPOConfig:
     """Group relative policy optimization: sampling, reward, and the clipped update."""
 

@@ -9,6 +9,7 @@ import torch
 from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.trainers.algorithms.sft import refuse_router_loss
+from strategy.trainers.config import RewardConfig
 from strategy.trainers.data import PAIRS
 from strategy.trainers.data.packing import pair_count
 from strategy.trainers.loop import Trainer
@@ -37,6 +38,7 @@ class RewardModelTrainer(Trainer):
     """
 
     data = PAIRS
+    config_classes = (RewardConfig,)  # --loss, as OpenRLHF's RM spells it
 
     @classmethod
     def check_settings(cls, configs: dict, world_size: int) -> None:
