@@ -29,5 +29,5 @@ from strategy.trainers.loop import Step, Trainer
 from strategy.trainers.run import Run
 
 __all__ = ["DPOConfig", "DPOTrainer", "DataConfig", "DataSpec", "GRPOConfig", "GRPOTrainer",
-           "LoraConfig", "ModelConfig", "RewardConfig", "RewardModelTrainer", "Run", "SFTTrainer", "Step",
-           "TrainConfig", "Trainer"]
+           "LoraConfig", "ModelConfig", "RewardConfig", "RewardModelTrainer", "Run",
+           "SFTTrainer", "Step", "TrainConfig", "Trainer"]
