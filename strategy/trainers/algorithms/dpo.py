@@ -51,16 +51,7 @@ class DPOTrainer(Trainer):
     data = PAIRS
 
     @classmethod
-    def check_settings(cls, configs: dict, world_size: int) -> None:
-        """DPO adds no MoE router loss.
-
-        Args:
-            configs: the parsed configs by class.
-            world_size: ranks the launcher started.
-
-        Raises:
-            ConfigError: ``aux_loss_coef`` > 0.
-        """
+    def check_settings(cls, configs: dict, world_size: int) -> None:  # DPO adds no router loss
         refuse_router_loss(configs, cls.__name__)
 
     def __init__(self, strategy, model, ref_model, optimizer, scheduler, train_dataloader,
