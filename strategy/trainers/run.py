@@ -7,7 +7,6 @@ a context manager that closes its strategy, even when training raises.
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib.util
 import json
 import os
@@ -35,6 +34,7 @@ from strategy.optim import OptimConfig
 from strategy.parallel import check_sequence_parallel, check_tensor_parallel
 from strategy.trainers.algorithms.grpo import GRPOConfig, GRPOTrainer
 from strategy.trainers.algorithms.rewards import CallableReward, ModelReward
+from strategy.trainers.algorithms.sft import TILE_VOCAB
 from strategy.trainers.config import (
     DataConfig,
     DPOConfig,
@@ -43,7 +43,7 @@ from strategy.trainers.config import (
     TrainConfig,
 )
 from strategy.trainers.data import packing
-from strategy.trainers.data.files import hub_name
+from strategy.trainers.data.files import source_exists
 from strategy.trainers.loop import StepPlan, plan_steps
 from strategy.trainers.loop.steps import sample_count
 
@@ -269,7 +269,7 @@ def check_paths(model: ModelConfig, train: TrainConfig, data_cfg: DataConfig,
                           "a dataset folder or a Hub id)")
     for name, value in (("dataset", data_cfg.dataset), ("eval_dataset", data_cfg.eval_dataset)):
         for source in (value or "").split(",") if value else []:
-            if not _dataset_source_exists(source.strip()):
+            if not source_exists(source.strip()):
                 raise ConfigError(f"{name}={value!r} is invalid: no such file, folder or matching "
                                   f"pattern ({source.strip()!r}); pass an existing path or a Hub "
                                   "dataset id")
@@ -324,16 +324,10 @@ def check_router_loss(config: Any, train: TrainConfig) -> None:
                           "has no router loss; use it with an MoE model (Mixtral, Qwen2-MoE...) "
                           "or set 0")
     tiled = train.tiled_logits_loss
-    if tiled or (tiled is None and config.get_text_config().vocab_size >= 65536):
+    if tiled or (tiled is None and config.get_text_config().vocab_size >= TILE_VOCAB):
         raise ConfigError(f"aux_loss_coef={train.aux_loss_coef} is invalid with the tiled logits "
                           "loss (the router loss comes from the full forward); pass "
                           "--no-tiled_logits_loss or set 0")
-
-
-def _dataset_source_exists(source: str) -> bool:
-    """A local file, folder or glob with matches; or a name only the Hub can resolve (checked
-    when it loads)."""
-    return os.path.exists(source) or bool(glob.glob(source)) or hub_name(source)
 
 
 def _writable(path: str) -> bool:

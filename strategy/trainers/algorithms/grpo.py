@@ -234,11 +234,11 @@ class GRPOTrainer(Trainer):
     def _texts(self, completions: list[list[int]]) -> list[str]:
         return self.tokenizer.batch_decode(completions, skip_special_tokens=True)
 
-    def _score(self, prompts: list[str], completions: list[list[int]],
+    def _score(self, prompts: list[str], completions: list[list[int]], texts: list[str],
                rows: list[dict]) -> torch.Tensor:
         """Rewards of decoded completions; a reward model also learns which ended with EOS (it
         scores them at its own EOS, where it was trained)."""
-        texts, args = self._texts(completions), ()
+        args = ()
         if getattr(self.reward, "scores_eos", False):
             eos = self.tokenizer.eos_token_id
             args = ([bool(c) and c[-1] == eos for c in completions],)
@@ -263,7 +263,7 @@ class GRPOTrainer(Trainer):
             completions = self._completions(self.generate(ids, mask, sample=True).cpu())
         prompts = [p for p in batch["prompts"] for _ in range(g)]
         rows = [r for r in batch["rows"] for _ in range(g)]
-        rewards = self._score(prompts, completions, rows)
+        rewards = self._score(prompts, completions, self._texts(completions), rows)
         advantages = group_advantages(rewards, g, self.grpo.advantage_eps)
         prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
         micro = self.strategy.config.micro_train_batch_size
@@ -345,7 +345,7 @@ class GRPOTrainer(Trainer):
         completions = self._completions(self.generate(batch["prompt_ids"], batch["prompt_mask"],
                                                       sample=False).cpu())
         texts = self._texts(completions)
-        rewards = self._score(batch["prompts"], completions, batch["rows"])
+        rewards = self._score(batch["prompts"], completions, texts, batch["rows"])
         n = len(texts)
         out = {"reward": (rewards.sum().item(), n),
                "completion_length": (float(sum(len(c) for c in completions)), n)}

@@ -31,7 +31,7 @@ FILE_KINDS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": 
               ".arrow": "arrow"}
 
 
-def _one_line(path: str, exc: Exception) -> str:
+def _one_line(exc: Exception) -> str:
     return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
 
 
@@ -52,7 +52,13 @@ def hub_name(source: str) -> bool:
                 or source.count("/") > 1 or glob.has_magic(source))
 
 
-def load_table(path: str, split: str = "train") -> datasets.Dataset:
+def source_exists(source: str) -> bool:
+    """A local file, folder or glob with matches, or a name only the Hub can resolve (checked
+    when it loads)."""
+    return os.path.exists(source) or bool(glob.glob(source)) or hub_name(source)
+
+
+def load_table(path: str, split: str = "train", streaming: bool = False) -> Any:
     """One dataset through ``datasets``: a data file or a glob of them (one split), a folder
     written by ``save_to_disk``, a local folder laid out as a Hub dataset repository, or a Hub id
     (the offline switches apply).
@@ -60,16 +66,17 @@ def load_table(path: str, split: str = "train") -> datasets.Dataset:
     Args:
         path: the file, glob, folder or Hub id.
         split: the split to take from folders and Hub ids.
+        streaming: read rows lazily (an ``IterableDataset``) instead of all at once.
 
     Returns:
-        The rows as a ``datasets.Dataset``.
+        The rows as a ``datasets.Dataset`` (``IterableDataset`` when streaming).
 
     Raises:
         DataError: nothing there, an unknown file kind or split, or rows that cannot be read.
     """
     datasets.disable_progress_bars()
     files = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
-    if not files or not (os.path.exists(files[0]) or hub_name(path)):
+    if not files or not source_exists(path):
         raise DataError(f"dataset={path!r}: no such file, folder or matching pattern; pass a "
                         "local data file, folder or glob, or a Hub dataset id")
     if os.path.isfile(files[0]):
@@ -78,10 +85,13 @@ def load_table(path: str, split: str = "train") -> datasets.Dataset:
             raise DataError(f"dataset={path!r}: unknown extension {ext!r}; use "
                             f"{', '.join(sorted(FILE_KINDS))}, a folder or a Hub id")
         return _load(path, f"as {FILE_KINDS[ext]}", datasets.load_dataset, FILE_KINDS[ext],
-                     data_files=files, split="train")
+                     data_files=files, split="train", streaming=streaming)
     if any(os.path.isfile(os.path.join(path, name)) for name in SAVED_MARKERS):
-        return _split_of(_load(path, "from disk", datasets.load_from_disk, path), path, split)
+        table = _split_of(_load(path, "from disk", datasets.load_from_disk, path), path, split)
+        return table.to_iterable_dataset(num_shards=1) if streaming else table
     where = "as a dataset folder" if os.path.isdir(path) else "from the Hub"
+    if streaming:
+        return _load(path, where, datasets.load_dataset, path, split=split, streaming=True)
     return _split_of(_load(path, where, datasets.load_dataset, path), path, split)
 
 
@@ -92,14 +102,42 @@ def _load(path: str, how: str, load, *args: Any, **kwargs: Any) -> Any:
     try:
         return load(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - datasets raises many types for unreadable data
-        raise DataError(f"dataset={path!r}: cannot be read {how} ({_one_line(path, e)}); check "
+        raise DataError(f"dataset={path!r}: cannot be read {how} ({_one_line(e)}); check "
                         "its files") from None
+
+
+def mix_tables(path: str, tables: list, probabilities: list[float] | None = None,
+               seed: int = 42) -> Any:
+    """Several datasets as one: concatenated, or mixed by ``probabilities`` with a seeded draw
+    until every one is used up (as OpenRLHF mixes); streamed ones stay streamed.
+
+    Args:
+        path: the comma-separated sources, for messages.
+        tables: the datasets, all ``Dataset`` or all ``IterableDataset``.
+        probabilities: one weight per dataset (None: concatenate).
+        seed: the mixing draw's seed.
+
+    Returns:
+        The mixed dataset.
+
+    Raises:
+        DataError: datasets whose columns differ.
+    """
+    if len(tables) == 1:
+        return tables[0]
+    try:
+        if probabilities is None:
+            return datasets.concatenate_datasets(tables)
+        return datasets.interleave_datasets(tables, probabilities, seed=seed,
+                                            stopping_strategy="all_exhausted")
+    except ValueError as e:  # columns that differ between the datasets
+        raise DataError(f"dataset={path!r}: the datasets cannot be mixed ({_one_line(e)}); "
+                        "give them the same columns") from None
 
 
 def read_rows(path: str, max_samples: int = -1, split: str = "train",
               probabilities: list[float] | None = None, seed: int = 42) -> list[dict]:
-    """Rows of one dataset or of several comma-separated ones (concatenated, or mixed by
-    ``probabilities`` with a seeded draw until every one is used up, as OpenRLHF mixes).
+    """Rows of one dataset or of several comma-separated ones (``mix_tables``).
 
     Args:
         path: one ``load_table`` source, or several separated by commas.
@@ -112,21 +150,10 @@ def read_rows(path: str, max_samples: int = -1, split: str = "train",
         The rows as dicts.
 
     Raises:
-        DataError: from ``load_table``.
+        DataError: from ``load_table`` or ``mix_tables``.
     """
     tables = [load_table(part.strip(), split) for part in path.split(",")]
-    try:
-        if len(tables) == 1:
-            rows = tables[0]
-        elif probabilities is None:
-            rows = datasets.concatenate_datasets(tables)
-        else:
-            rows = datasets.interleave_datasets(tables, probabilities, seed=seed,
-                                                stopping_strategy="all_exhausted")
-    except ValueError as e:  # columns that differ between the datasets
-        raise DataError(f"dataset={path!r}: the datasets cannot be mixed ({_one_line(path, e)}); "
-                        "give them the same columns") from None
-    rows = rows.to_list()
+    rows = mix_tables(path, tables, probabilities, seed).to_list()
     return rows if max_samples < 0 else rows[:max_samples]
 
 

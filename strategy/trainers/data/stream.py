@@ -10,7 +10,6 @@ training.
 
 from __future__ import annotations
 
-import os
 from itertools import count
 from typing import Any, Callable, Iterator
 
@@ -19,24 +18,12 @@ import torch
 from datasets.distributed import split_dataset_by_node
 
 from strategy.errors import DataError
-from strategy.trainers.data.files import FILE_KINDS, SAVED_MARKERS, Stats, admitted_parts
-
-
-def _one(source: str, split: str) -> datasets.IterableDataset:
-    ext = os.path.splitext(source)[1].lower()
-    if ext in FILE_KINDS:  # a file or a glob of files: one split
-        return datasets.load_dataset(FILE_KINDS[ext], data_files=source, split="train",
-                                     streaming=True)
-    if any(os.path.isfile(os.path.join(source, name)) for name in SAVED_MARKERS):
-        table = datasets.load_from_disk(source)
-        table = table[split] if isinstance(table, datasets.DatasetDict) else table
-        return table.to_iterable_dataset(num_shards=1)
-    return datasets.load_dataset(source, split=split, streaming=True)
+from strategy.trainers.data.files import Stats, admitted_parts, load_table, mix_tables
 
 
 def open_stream(path: str, split: str, cfg: Any) -> datasets.IterableDataset:
-    """One source as a streamed ``IterableDataset`` (files, globs, folders, Hub ids, and
-    ``save_to_disk`` folders), several comma-separated ones mixed like ``read_rows``.
+    """``--dataset`` streamed: each comma-separated source through ``load_table``, mixed by
+    ``--dataset_probs`` as ``read_rows`` mixes.
 
     Args:
         path: the source(s), as ``--dataset`` takes them.
@@ -47,23 +34,10 @@ def open_stream(path: str, split: str, cfg: Any) -> datasets.IterableDataset:
         The rows, streamed.
 
     Raises:
-        DataError: a source that cannot be streamed.
+        DataError: a source that cannot be read, or sources that cannot be mixed.
     """
-    parts = []
-    for source in (p.strip() for p in path.split(",")):
-        try:
-            parts.append(_one(source, split))
-        except Exception as e:  # noqa: BLE001 - datasets raises many types for unreadable data
-            raise DataError(f"dataset={source!r}: cannot be streamed ({type(e).__name__}: "
-                            f"{(str(e).splitlines() or [''])[0][:200]}); check the path and "
-                            "its split") from None
-    if len(parts) == 1:
-        return parts[0]
-    probabilities = cfg.probabilities()
-    if probabilities is None:
-        return datasets.concatenate_datasets(parts)
-    return datasets.interleave_datasets(parts, probabilities, seed=42,
-                                        stopping_strategy="all_exhausted")
+    tables = [load_table(part.strip(), split, streaming=True) for part in path.split(",")]
+    return mix_tables(path, tables, cfg.probabilities())
 
 
 class TokenStream(torch.utils.data.IterableDataset):
