@@ -243,3 +243,34 @@ def test_openrlhf_rm_loss_flag(toy, monkeypatch):
     forbid_process_group(monkeypatch)
     with pytest.raises(ConfigError, match="loss='hinge' is invalid: use sigmoid"):
         Run.from_args(_argv({**_base(toy), "loss": "hinge"}), trainer=RewardModelTrainer)
+
+
+@pytest.mark.parametrize("script, change, message", [
+    ("train_orpo", {"ref_pretrain": "TOY/tok"}, "ref_pretrain='TOY/tok' is invalid: ORPOTrainer "
+     "is reference-free"),
+    ("train_simpo", {"beta": 0.5}, "beta=0.5 is invalid: it is a DPO setting; SimPOTrainer takes "
+     "--simpo_beta"),
+    ("train_simpo", {"ipo": True}, "loss_type='ipo' is invalid: it is a DPO setting"),
+    ("train_kto", {"packing_samples": True}, "packing_samples=True is invalid: KTO's mismatched"),
+    ("train_kto", {"sequence_parallel_size": 2}, "sequence_parallel_size=2 is invalid: KTO runs "
+     "without"),
+    ("train_kto", {"zero_stage": 3}, "model_config='configs/tiny_llama.json' is invalid: a "
+     "reference copied from fresh weights needs ZeRO 0-2"),
+    ("train_dpo", {"lora_rank": 4, "target_modules": "q_proj"}, "a reference copied from fresh "
+     "weights needs ZeRO 0-2 without LoRA"),
+    ("train_kto", {"kto_beta": 0}, "kto_beta=0.0 is invalid: use a positive number"),
+    ("train_orpo", {"aux_loss_coef": 0.1}, "aux_loss_coef=0.1 is invalid"),
+])
+def test_preference_trainers_refuse_settings_before_process_group(toy, monkeypatch, script,
+                                                                   change, message):
+    """ORPO/SimPO refuse a reference and DPO's flags, KTO packing, SP and a reference it cannot
+    copy; each one line, from the trainer's check_settings in Run.from_args."""
+    from tests.support.helpers import forbid_process_group, load_example
+
+    forbid_process_group(monkeypatch)
+    change = {k: v.replace("TOY", str(toy)) if isinstance(v, str) else v
+              for k, v in change.items()}
+    message = message.replace("TOY", str(toy))
+    with pytest.raises(ConfigError) as err:
+        load_example(script)(_argv({**_base(toy), **change}))
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -62,16 +62,19 @@ def test_yaml_may_set_callers_own_flags(tmp_path):
 def test_every_shipped_config_loads():
     files = sorted(glob.glob("configs/*.yaml"))
     assert files, "configs/ must hold at least one YAML"
-    from strategy.trainers.config import GRPOConfig
+    from strategy.trainers import GRPOTrainer, KTOTrainer, ORPOTrainer, SimPOTrainer
     from strategy.trainers.run import CONFIG_CLASSES
+
+    own = {"train_grpo": GRPOTrainer, "train_kto": KTOTrainer, "train_orpo": ORPOTrainer,
+           "train_simpo": SimPOTrainer}  # trainers with configs of their own
 
     for path in files:
         first = open(path).readline()
         assert first.startswith("# ") and any(
             launcher in first for launcher in ("deepspeed", "torchrun", "bash")
         ), f"{path}: no launch command"
-        grpo = "train_grpo" in first  # online RL configs also carry GRPOConfig's fields
-        configs, _ = parse_configs(list(CONFIG_CLASSES) + [GRPOConfig] * grpo, ["--config", path])
+        extra = next((list(t.config_classes) for s, t in own.items() if f"/{s}.py" in first), [])
+        configs, _ = parse_configs(list(CONFIG_CLASSES) + extra, ["--config", path])
         configs[0].validate_world(2)  # every shipped config runs at 2 ranks
 
 

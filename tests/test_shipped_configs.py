@@ -39,8 +39,8 @@ def run_example(script: str, config: str, toy: str, extra: tuple = ()) -> dict:
     from tests.support.helpers import load_example
 
     data, out = f"{toy}/data", _out(toy, script, config, extra)
-    train = "pairs_train" if script in ("train_rm", "train_dpo") else "train"
-    held = "pairs_test" if script in ("train_rm", "train_dpo") else "test"
+    pairs = script in ("train_rm", "train_dpo", "train_orpo", "train_simpo", "train_kto")
+    train, held = ("pairs_train", "pairs_test") if pairs else ("train", "test")
     argv = [
         "--config",
         config,
@@ -75,6 +75,9 @@ CONFIGS = [
     ("train_rm", "configs/rm_zero2.yaml", ()),
     ("train_dpo", "configs/dpo_zero3.yaml", ()),
     ("train_dpo", "configs/dpo_zero3.yaml", ("--ref_pretrain", "TOY/model")),  # OpenRLHF's
+    ("train_orpo", "configs/orpo_zero2.yaml", ()),
+    ("train_simpo", "configs/simpo_zero3.yaml", ()),
+    ("train_kto", "configs/kto_zero3.yaml", ()),
     # the extension example in the settings it claims: packing, sequence parallelism, ZeRO-3
     ("custom_trainer", "configs/sft_zero2.yaml", ("--packing_samples",)),
     ("custom_trainer", "configs/sft_zero2.yaml", ("--sequence_parallel_size", "2")),

@@ -73,15 +73,26 @@ def one_step(kind: str, micro: int, accumulation: int | None, weighting: str, ro
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from strategy import DeepSpeedStrategy, OptimConfig, StrategyConfig
-    from strategy.trainers import DPOTrainer, RewardModelTrainer, SFTTrainer, TrainConfig
+    from strategy.trainers import (
+        DPOTrainer,
+        KTOTrainer,
+        ORPOTrainer,
+        RewardModelTrainer,
+        SFTTrainer,
+        SimPOTrainer,
+        TrainConfig,
+    )
     from strategy.trainers import data as ds
-    from strategy.trainers.config import DPOConfig
-    from strategy.trainers.data import packing
+    from strategy.trainers.config import DPOConfig, KTOConfig, SimPOConfig
+    from strategy.trainers.data import packing, unpaired
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     rng = random.Random(0)
     rows = _sft_rows(rng) if kind == "sft" else _pair_rows(rng)
     collate = ds.collate_sft(0) if kind == "sft" else ds.collate_pairs(0)
+    if kind == "kto":  # 4 pairs as 8 labelled completions, each with its mismatched sequence
+        rows = unpaired.with_mismatched(_unpaired(rows[:4]), 64)
+        collate = unpaired.collate_kto(0)
     if packed:
         rows = packing.pack(rows, 64) if kind == "sft" else packing.pack_pairs(rows, 48)
         plain = kind == "sft"
@@ -100,21 +111,35 @@ def one_step(kind: str, micro: int, accumulation: int | None, weighting: str, ro
                         loss_weighting=weighting)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     args = (strategy, model, optimizer, None, loader, None, train)
+    reference = AutoModelForCausalLM.from_config(tiny_llama(pad_token_id=0))
+    if kind in ("dpo", "dpo-ipo", "kto"):
+        reference.load_state_dict({n: p.clone() * 1.1 for n, p in initial.items()})
     if kind == "sft":
         trainer = SFTTrainer(*args)
     elif kind == "rm":
         trainer = RewardModelTrainer(*args)
+    elif kind == "orpo":
+        trainer = ORPOTrainer(*args)
+    elif kind == "simpo":
+        trainer = SimPOTrainer(*args, simpo=SimPOConfig(simpo_nll_coef=0.3))
+    elif kind == "kto":
+        trainer = KTOTrainer(strategy, model, reference, *args[2:],
+                             kto=KTOConfig(kto_beta=0.5, undesirable_weight=1.5))
     else:
-        reference = AutoModelForCausalLM.from_config(tiny_llama(pad_token_id=0))
-        reference.load_state_dict({n: p.clone() for n, p in initial.items()})
+        dpo = DPOConfig(beta=0.5, nll_loss_coef=0.7, ipo=kind == "dpo-ipo")
         trainer = DPOTrainer(strategy, model, reference, optimizer, None, loader, None, train,
-                             dpo=DPOConfig(beta=0.5, nll_loss_coef=0.7))
+                             dpo=dpo)
     trainer.fit()
     after = gathered_state(trainer.model)
     strategy.close()
     grads = {n: initial[n] - after[n] for n in initial}
     return {"grads": grads, "loss": trainer.history[0]["loss"],
             "grad_norm": trainer.history[0]["grad_norm"]}
+
+
+def _unpaired(pairs: list[dict]) -> list[dict]:
+    return [{"input_ids": p[f"{side}_ids"], "labels": p[f"{side}_labels"],
+             "desirable": side == "chosen"} for p in pairs for side in ("chosen", "rejected")]
 
 
 def _relative_gap(a: dict, b: dict) -> float:
@@ -124,11 +149,12 @@ def _relative_gap(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["sft", "dpo", "rm"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "rm", "dpo-ipo", "orpo", "simpo", "kto"])
 def test_step_gradient_is_the_same_however_the_step_is_split(ranks, tmp_path, kind):
+    splits = SPLITS if kind in ("sft", "dpo", "rm") else SPLITS[:1] + SPLITS[2:3]
     runs = {(w, m, a): ranks.run(one_step, kind, m, a, "step", str(tmp_path), world_size=w)[0]
-            for w, m, a in SPLITS}
-    reference = runs[SPLITS[0]]
+            for w, m, a in splits}
+    reference = runs[splits[0]]
     assert reference["grad_norm"] > 0
     for split, run in runs.items():
         gap = _relative_gap(run["grads"], reference["grads"])
@@ -136,13 +162,15 @@ def test_step_gradient_is_the_same_however_the_step_is_split(ranks, tmp_path, ki
         assert gap < 1e-5, (split, gap)
         assert run["loss"] == pytest.approx(reference["loss"], rel=1e-5), split
         assert run["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5), split
+    if kind in ("dpo-ipo", "orpo", "kto"):
+        return  # the split is checked; packing and the old weighting once per data kind
     # packed into rows told apart by position ids: the same step, the same gradient
     packed = ranks.run(one_step, kind, 1, None, "step", str(tmp_path), packed=True,
                        world_size=1)[0]
     gap = _relative_gap(packed["grads"], reference["grads"])
     print(f"{kind} packed: gradient gap {gap:.1e}")
     assert gap < 1e-5 and packed["loss"] == pytest.approx(reference["loss"], rel=1e-5), gap
-    if kind == "rm":
+    if kind in ("rm", "simpo"):
         return  # a pair loss over equal-size micro-batches: the old mean of means is the same
     # the old per-micro-batch mean weighs a 1-token micro-batch like a 40-token one
     old = ranks.run(one_step, kind, 1, 4, "micro_batch", str(tmp_path), world_size=2)[0]

@@ -2,7 +2,8 @@
 
 - ``loop/``: the ``Trainer`` every trainer subclasses, with its public hooks (read its
   docstring first), exact metric sums, step arithmetic, throughput figures;
-- ``algorithms/``: SFT, reward model, DPO, GRPO (online RL) and GRPO's rewards, one file each;
+- ``algorithms/``: SFT, reward model, DPO, ORPO/SimPO (``preference``), KTO, GRPO (online RL)
+  and GRPO's rewards;
 - ``data/``: files to token ids, chats, packing, collation, and the ``DataSpec`` a trainer
   declares;
 - ``losses/``: pure loss formulas and the language-model forwards behind them;
@@ -14,14 +15,25 @@ flow losses -> data -> loop -> algorithms -> run. The loop never branches on ran
 reduces metrics and writes files on rank 0 only.
 """
 
-from strategy.trainers.algorithms import DPOTrainer, GRPOTrainer, RewardModelTrainer, SFTTrainer
+from strategy.trainers.algorithms import (
+    DPOTrainer,
+    GRPOTrainer,
+    KTOTrainer,
+    ORPOTrainer,
+    RewardModelTrainer,
+    SFTTrainer,
+    SimPOTrainer,
+)
 from strategy.trainers.config import (
     DataConfig,
     DPOConfig,
     GRPOConfig,
+    KTOConfig,
     LoraConfig,
     ModelConfig,
+    ORPOConfig,
     RewardConfig,
+    SimPOConfig,
     TrainConfig,
 )
 from strategy.trainers.data import DataSpec
@@ -29,5 +41,6 @@ from strategy.trainers.loop import Step, Trainer
 from strategy.trainers.run import Run
 
 __all__ = ["DPOConfig", "DPOTrainer", "DataConfig", "DataSpec", "GRPOConfig", "GRPOTrainer",
-           "LoraConfig", "ModelConfig", "RewardConfig", "RewardModelTrainer", "Run",
-           "SFTTrainer", "Step", "TrainConfig", "Trainer"]
+           "KTOConfig", "KTOTrainer", "LoraConfig", "ModelConfig", "ORPOConfig", "ORPOTrainer",
+           "RewardConfig", "RewardModelTrainer", "Run", "SFTTrainer", "SimPOConfig",
+           "SimPOTrainer", "Step", "TrainConfig", "Trainer"]

@@ -7,11 +7,12 @@ a context manager that closes its strategy, even when training raises.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -65,6 +66,7 @@ class Run:
         tokenizer: the tokenizer (pad token set to eos when it had none).
         args: the parsed command-line namespace.
         grpo: the ``GRPOConfig`` (None unless ``from_args(grpo=True)``).
+        configs: every parsed config, by class (a trainer's own ``config_classes`` included).
     """
 
     strategy: DeepSpeedStrategy
@@ -76,6 +78,7 @@ class Run:
     tokenizer: Any = None
     args: argparse.Namespace | None = None
     grpo: GRPOConfig | None = None
+    configs: dict = field(default_factory=dict)
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None,
@@ -123,7 +126,7 @@ class Run:
         strategy = DeepSpeedStrategy(strategy_cfg, by_type[OptimConfig], ckpt_cfg)
         strategy.setup_distributed()
         run = cls(strategy, model_cfg=model_cfg, train=train_cfg, data=data_cfg, lora=lora_cfg,
-                  dpo=by_type[DPOConfig], args=namespace, grpo=grpo_cfg)
+                  dpo=by_type[DPOConfig], args=namespace, grpo=grpo_cfg, configs=by_type)
         run.tokenizer = load_tokenizer(model_cfg)
         return run
 
@@ -164,6 +167,45 @@ class Run:
                                self.lora.lora_dropout, self.lora.target_modules, lora_task,
                                modules_to_save)
         return model
+
+    def config(self, cls: type) -> Any:
+        """The parsed config of class ``cls`` (e.g. a trainer's ``ORPOConfig``).
+
+        Args:
+            cls: a config class parsed by ``from_args`` (listed in the trainer's
+                ``config_classes``).
+
+        Returns:
+            The config instance.
+
+        Raises:
+            ConfigError: ``cls`` was not parsed (pass ``trainer=`` to ``from_args``).
+        """
+        if cls not in self.configs:
+            raise ConfigError(f"{cls.__name__} was not parsed: pass the trainer that lists it in "
+                              "config_classes to Run.from_args(trainer=...)")
+        return self.configs[cls]
+
+    def reference(self, model):
+        """The frozen reference of DPO and KTO: ``--ref_pretrain``, else ``--pretrain`` loaded
+        again; from ``--model_config``, a copy of ``model``'s fresh weights (ZeRO 0-2, no LoRA).
+
+        Args:
+            model: the policy (from ``Run.model``), copied when there is no checkpoint to load.
+
+        Returns:
+            The reference model, frozen (the strategy's ``prepare`` makes it an eval engine).
+
+        Raises:
+            ConfigError: from ``--model_config`` under ZeRO-3 or LoRA.
+        """
+        source = self.model_cfg.ref_pretrain or self.model_cfg.pretrain
+        if source:
+            return self.strategy.from_pretrained(source, frozen=True)
+        if self.strategy.config.zero_stage == 3 or self.lora.lora_rank:
+            raise ConfigError("model_config: a reference copied from fresh weights needs ZeRO 0-2 "
+                              "without LoRA; pass --pretrain MODEL_DIR instead")
+        return copy.deepcopy(model).requires_grad_(False)
 
     def reward(self):
         """The GRPO reward: the ``reward_fn`` callable, or the reward model as an eval engine.

@@ -1,5 +1,6 @@
 """The algorithms, one file each, all on the public ``Trainer`` API (``trainers.loop``): SFT,
-reward model, DPO, and online RL (GRPO, with its ``rewards``).
+reward model, DPO, the reference-free ORPO and SimPO (``preference``), KTO, and online RL (GRPO,
+with its ``rewards``).
 
 May import: ``strategy`` below ``trainers``, and ``trainers.config``, ``losses``, ``data``,
 ``loop``; nothing underscored of ``Trainer`` (``tests/test_layout.py`` checks).
@@ -7,7 +8,10 @@ May import: ``strategy`` below ``trainers``, and ``trainers.config``, ``losses``
 
 from strategy.trainers.algorithms.dpo import DPOTrainer
 from strategy.trainers.algorithms.grpo import GRPOTrainer
+from strategy.trainers.algorithms.kto import KTOTrainer
+from strategy.trainers.algorithms.preference import ORPOTrainer, SimPOTrainer
 from strategy.trainers.algorithms.rm import RewardModelTrainer
 from strategy.trainers.algorithms.sft import SFTTrainer
 
-__all__ = ["DPOTrainer", "GRPOTrainer", "RewardModelTrainer", "SFTTrainer"]
+__all__ = ["DPOTrainer", "GRPOTrainer", "KTOTrainer", "ORPOTrainer", "RewardModelTrainer",
+           "SFTTrainer", "SimPOTrainer"]

@@ -172,7 +172,7 @@ class Stats:
                  self.path, self.kept, self.truncated, self.dropped_long, len(self.skipped_bad))
 
 
-def _text(row: dict, key: str, where: str) -> str:
+def text_field(row: dict, key: str, where: str) -> str:
     if row.get(key) is None:
         present = sorted(k for k, v in row.items() if v is not None)
         raise DataError(f"{where}: missing key {key!r} (has {present}); "
@@ -253,7 +253,7 @@ def admitted_parts(rows, name: str, split: str, cfg: DataConfig, stats: Stats, m
             yield parts
 
 
-def _finish(out: list[dict], stats: Stats, path: str) -> list[dict]:
+def finished(out: list[dict], stats: Stats, path: str) -> list[dict]:
     stats.kept = len(out)
     stats.report()
     if not out:
@@ -271,7 +271,8 @@ def sft_parts(tokenizer: Any, cfg: DataConfig):
             return [tok.cut(*tokenize_chat(tokenizer, messages, where))]
         if cfg.input_key not in row and "prompt" in row and "completion" in row:  # TRL's layout
             return [tok.response(row["prompt"], row["completion"], where)]
-        prompt, response = (_text(row, key, where) for key in (cfg.input_key, cfg.output_key))
+        keys = (cfg.input_key, cfg.output_key)
+        prompt, response = (text_field(row, key, where) for key in keys)
         return [tok.pair(prompt, response)]
     return make
 
@@ -288,7 +289,7 @@ def pair_parts(tokenizer: Any, cfg: DataConfig):
                 prompt, chosen, rejected = split_conversations(chosen, rejected)
             return [tok.response(prompt, chosen, where), tok.response(prompt, rejected, where)]
         keys = (cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
-        prompt, chosen, rejected = (_text(row, key, where) for key in keys)
+        prompt, chosen, rejected = (text_field(row, key, where) for key in keys)
         return [tok.pair(prompt, chosen), tok.pair(prompt, rejected)]
     return make
 
@@ -309,7 +310,7 @@ def _load_samples(path: str, make, assemble, cfg: DataConfig, max_samples: int,
     stats, split = Stats(path), source.get("split", "train")
     rows = read_rows(path, max_samples, **source)
     samples = [assemble(p) for p in admitted_parts(rows, path, split, cfg, stats, make)]
-    return _finish(samples, stats, path)
+    return finished(samples, stats, path)
 
 
 def load_sft(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1,
@@ -334,7 +335,7 @@ def load_prompts(path: str, tokenizer: Any, cfg: DataConfig, max_prompt_len: int
     kept: list[dict] = []
 
     def make(row: dict, where: str) -> list[tuple[list[int], list[int], int]]:
-        text = tok.prompt(_text(row, cfg.input_key, where))
+        text = tok.prompt(text_field(row, cfg.input_key, where))
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         cut = max(0, len(ids) - max_prompt_len)
         kept.append({"prompt_ids": ids[cut:], "prompt": text, "row": row})
@@ -343,4 +344,4 @@ def load_prompts(path: str, tokenizer: Any, cfg: DataConfig, max_prompt_len: int
     rows = read_rows(path, max_samples, **source)
     split = source.get("split", "train")
     out = [kept[-1] for _ in admitted_parts(rows, path, split, cfg, stats, make)]
-    return _finish(out, stats, path)
+    return finished(out, stats, path)

@@ -1,7 +1,7 @@
 """What a trainer takes: a trainer class names its data with a ``data`` class attribute, and
-``Run`` builds the (train, held-out) loaders from it. ``SFT`` samples, preference ``PAIRS`` and
-online-RL ``PROMPTS`` are the built-in kinds; a trainer of new data declares a ``DataSpec`` of its
-own loader and collator.
+``Run`` builds the (train, held-out) loaders from it. ``SFT`` samples, preference ``PAIRS``,
+KTO's ``UNPAIRED`` completions and online-RL ``PROMPTS`` are the built-in kinds; a trainer of new
+data declares a ``DataSpec`` of its own loader and collator.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Callable
 from torch.utils.data import DataLoader
 
 from strategy.errors import ConfigError, fail
-from strategy.trainers.data import collate, files, packing
+from strategy.trainers.data import collate, files, packing, unpaired
 from strategy.trainers.data.stream import TokenStream, open_stream
 
 Loader = Callable[..., list]  # (path, tokenizer, DataConfig, max_samples) -> samples
@@ -199,4 +199,5 @@ SFT = DataSpec(files.load_sft, collate.collate_sft, packing.pack, packing.collat
                files.sft_parts, files.sft_sample)
 PAIRS = DataSpec(files.load_pairs, collate.collate_pairs, packing.pack_pairs,
                  packing.collate_packed_pairs, files.pair_parts, files.pair_sample)
+UNPAIRED = DataSpec(unpaired.load_kto, unpaired.collate_kto)  # KTO: no packing or streaming
 PROMPTS = PromptSpec()

@@ -6,14 +6,18 @@ May import: ``strategy`` below ``trainers`` and nothing else in ``trainers``.
 """
 
 from strategy.trainers.losses.formulas import (
+    DPO_LOSSES,
     IGNORE,
     dpo_loss,
     dpo_losses,
     group_advantages,
     grpo_token_losses,
+    kto_losses,
+    orpo_losses,
     pairwise_losses,
     pairwise_metrics,
     response_loss,
+    simpo_losses,
 )
 from strategy.trainers.losses.lm import (
     forward_inputs,
@@ -23,6 +27,7 @@ from strategy.trainers.losses.lm import (
     token_logps,
 )
 
-__all__ = ["IGNORE", "dpo_loss", "dpo_losses", "forward_inputs", "group_advantages",
-           "grpo_token_losses", "last_attended", "pairwise_losses", "pairwise_metrics",
-           "response_loss", "sequence_scores", "tiled_loss_sum", "token_logps"]
+__all__ = ["DPO_LOSSES", "IGNORE", "dpo_loss", "dpo_losses", "forward_inputs",
+           "group_advantages", "grpo_token_losses", "kto_losses", "last_attended", "orpo_losses",
+           "pairwise_losses", "pairwise_metrics", "response_loss", "sequence_scores",
+           "simpo_losses", "tiled_loss_sum", "token_logps"]

@@ -35,28 +35,94 @@ def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torc
     return losses.mean(), {key: total / count for key, (total, count) in metrics.items()}
 
 
+def _smoothed(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """-log sigmoid(z), the label flipped with probability ``label_smoothing`` (conservative)."""
+    return -F.logsigmoid(z) * (1 - label_smoothing) - F.logsigmoid(-z) * label_smoothing
+
+
+def _robust(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """The unbiased loss under label noise (Chowdhury et al. 2024, rDPO)."""
+    return ((-F.logsigmoid(z) * (1 - label_smoothing) + F.logsigmoid(-z) * label_smoothing)
+            / (1 - 2 * label_smoothing))
+
+
+DPO_LOSSES = {  # loss_type -> f(logits, beta, label_smoothing); logits: the log-ratio margin
+    "sigmoid": lambda h, beta, ls: _smoothed(beta * h, ls),
+    "robust": lambda h, beta, ls: _robust(beta * h, ls),
+    "hinge": lambda h, beta, ls: torch.relu(1 - beta * h),  # SLiC
+    "ipo": lambda h, beta, ls: (h - 1 / (2 * beta)) ** 2,  # Azar et al. 2023, eq. 17
+}
+
+
+def _reward_metrics(chosen_reward: torch.Tensor, rejected_reward: torch.Tensor) -> dict:
+    chosen_reward, rejected_reward = chosen_reward.detach(), rejected_reward.detach()
+    return {"reward_accuracy": _mean_pair(chosen_reward > rejected_reward),
+            "reward_margin": _mean_pair(chosen_reward - rejected_reward),
+            "chosen_reward": _mean_pair(chosen_reward),
+            "rejected_reward": _mean_pair(rejected_reward)}
+
+
 def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
                ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, beta: float,
-               label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict]:
-    """Per-pair DPO losses (conservative with ``label_smoothing``) from policy/reference
-    log-probs of the chosen and rejected responses; metrics as (sum, count) pairs."""
+               label_smoothing: float = 0.0,
+               loss_type: str = "sigmoid") -> tuple[torch.Tensor, dict]:
+    """Per-pair DPO losses from policy/reference log-probs of the chosen and rejected responses
+    (``loss_type`` a key of ``DPO_LOSSES``; ``label_smoothing`` for sigmoid and robust); the
+    implicit rewards' metrics as (sum, count) pairs."""
     logits = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
-    losses = (-F.logsigmoid(beta * logits) * (1 - label_smoothing)
-              - F.logsigmoid(-beta * logits) * label_smoothing)
-    chosen_reward = beta * (policy_chosen - ref_chosen).detach()
-    rejected_reward = beta * (policy_rejected - ref_rejected).detach()
-    return losses, {"reward_accuracy": _mean_pair(chosen_reward > rejected_reward),
-                    "reward_margin": _mean_pair(chosen_reward - rejected_reward),
-                    "chosen_reward": _mean_pair(chosen_reward),
-                    "rejected_reward": _mean_pair(rejected_reward)}
+    losses = DPO_LOSSES[loss_type](logits, beta, label_smoothing)
+    return losses, _reward_metrics(beta * (policy_chosen - ref_chosen),
+                                   beta * (policy_rejected - ref_rejected))
+
+
+def simpo_losses(chosen: torch.Tensor, rejected: torch.Tensor, beta: float, gamma: float,
+                 label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Per-pair SimPO losses (Meng et al. 2024, eq. 6), ``-log sigmoid(beta (chosen - rejected)
+    - gamma)``, from the policy's length-normalised (mean per response token) log-probs; the
+    rewards ``beta * mean log-prob`` as (sum, count) metrics."""
+    losses = _smoothed(beta * (chosen - rejected) - gamma, label_smoothing)
+    return losses, _reward_metrics(beta * chosen, beta * rejected)
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0."""
+    return torch.log(-torch.expm1(x))
+
+
+def orpo_losses(chosen: torch.Tensor, rejected: torch.Tensor,
+                weight: float) -> tuple[torch.Tensor, dict]:
+    """Per-pair ORPO odds-ratio losses (Hong et al. 2024, eq. 7), ``-weight * log sigmoid(log
+    odds(chosen) - log odds(rejected))`` with ``odds(y) = p / (1 - p)`` of the mean per-token
+    log-prob; the trainer adds the chosen responses' NLL. Metrics: the log odds ratio and the
+    rewards ``weight * mean log-prob`` as (sum, count) pairs."""
+    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+    losses = -weight * F.logsigmoid(log_odds)
+    return losses, {**_reward_metrics(weight * chosen, weight * rejected),
+                    "log_odds_ratio": _mean_pair(log_odds.detach())}
+
+
+def kto_losses(policy: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, kl: float,
+               beta: float, desirable_weight: float = 1.0,
+               undesirable_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
+    """Per-sample KTO losses (Ethayarajh et al. 2024, eq. 8): ``w_d (1 - sigmoid(beta (r - z0)))``
+    for a desirable completion, ``w_u (1 - sigmoid(beta (z0 - r)))`` for an undesirable one, where
+    ``r`` is the policy/reference log-ratio of the completion and ``z0`` (``kl``) the detached KL
+    reference point. Metrics: the rewards ``beta r`` of each kind as (sum, count) pairs."""
+    ratio = policy - ref
+    good = desirable.bool()
+    losses = torch.where(good, desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))
+    reward = beta * ratio.detach()
+    return losses, {"chosen_reward": _mean_pair(reward[good]),
+                    "rejected_reward": _mean_pair(reward[~good])}
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float,
-             label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict]:
+             ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0,
+             loss_type: str = "sigmoid") -> tuple[torch.Tensor, dict]:
     """The mean DPO loss over pairs, with mean metrics."""
     losses, metrics = dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta,
-                                 label_smoothing)
+                                 label_smoothing, loss_type)
     return losses.mean(), {key: total / count for key, (total, count) in metrics.items()}
 
 
