@@ -3,7 +3,7 @@
 Layers, each importing only from the ones above it:
     errors, dtypes, internals            what everything shares (no other strategy import)
     dist, atomic_fs                      ranks and collectives; files that appear whole
-    config/                              typed configs, CLI/YAML binding, DeepSpeed config builder
+    config/, quant                       typed configs, CLI/YAML binding, DeepSpeed config; 4-bit
     optim/, checkpoint/, sampler, metrics, lora, ops     one concern each
     ema                                  moving average of the weights, partitioned like them
     model, parallel/, export/            HF models; sequence/tensor parallelism; HF export

@@ -26,6 +26,9 @@ def toy(tmp_path_factory):
                       "ffn_dim": 64, "word_embed_proj_dim": 48, "num_hidden_layers": 2}}
     for name, values in models.items():
         (root / f"{name}.json").write_text(json.dumps(values))
+    (root / "llama").mkdir()  # a checkpoint's config alone: the checks read nothing else
+    llama = json.load(open("configs/tiny_llama.json"))
+    (root / "llama" / "config.json").write_text(json.dumps({**llama, "vocab_size": 64}))
     return root
 
 
@@ -47,7 +50,7 @@ CASES = [
     ({"aux_loss_coef": 0.01}, "aux_loss_coef=0.01 is invalid: llama has no router loss"),
     ({"disable_ds_ckpt": True, "load_checkpoint": True},
      "disable_ds_ckpt=True is invalid: it saves no DeepSpeed state"),
-    ({"ipo": True}, "ipo=True is invalid: the IPO loss is not here yet"),
+    ({"loss_type": "dpo"}, "loss_type='dpo' is invalid: use one of sigmoid, ipo, hinge, robust"),
     ({"streaming": True}, "streaming=True is invalid without --max_steps"),
     ({"zero_stage": 4}, "zero_stage=4 is invalid"),
     ({"bf16": True, "fp16": True}, "bf16 and fp16 are exclusive"),
@@ -121,6 +124,15 @@ CASES = [
                                                    "trains with ZeRO 0-2"),
     ({"tensor_parallel_size": 3}, "tensor_parallel_size=3 is invalid: the world size 2 does not "
                                   "divide by it"),
+    # QLoRA
+    ({"load_in_4bit": True}, "load_in_4bit=True is invalid: 4-bit weights do not train; add "
+                             "--lora_rank R (QLoRA)"),
+    ({"load_in_4bit": True, "lora_rank": 4}, "load_in_4bit=True is invalid: quantisation loads a "
+                                             "checkpoint's weights; pass --pretrain"),
+    ({"load_in_4bit": True, "lora_rank": 4, "pretrain": "TOY/llama", "zero_stage": 3,
+      "param_offload": True}, "param_offload=True is invalid: 4-bit weights cannot be offloaded"),
+    ({"load_in_4bit": True, "lora_rank": 4, "pretrain": "TOY/llama", "tensor_parallel_size": 2},
+     "tensor_parallel_size=2 is invalid: AutoTP cannot split 4-bit weights"),
 ]
 
 

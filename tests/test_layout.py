@@ -29,6 +29,7 @@ LAYERS = {
     "sampler": 4,
     "metrics": 4,
     "lora": 4,
+    "quant": 3,
     "ops": 4,
     "ema": 4,
     "model": 5,

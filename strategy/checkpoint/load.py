@@ -18,6 +18,7 @@ from strategy.checkpoint.tags import node_view, resolve_common_tag, resolve_tag
 from strategy.errors import CheckpointFileError, fail
 from strategy.internals import convert_to_universal, universal_checkpoint_loading
 from strategy.log import get_logger
+from strategy.quant import is_four_bit
 
 log = get_logger("checkpoint")
 
@@ -127,6 +128,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None,
     check_layout(meta, layout, ckpt_dir)
     kw = {"load_optimizer_states": load_optimizer_states,
           "load_lr_scheduler_states": load_lr_scheduler_states}
+    if is_four_bit(engine.module):  # bitsandbytes' quantisation state rides along in the saved
+        kw["load_module_strict"] = False  # module state, which a loaded 4-bit model cannot take
     if universal is None:
         universal = meta["world_size"] != dist.get_world_size() and meta["zero_stage"] > 0
     if universal and node_local:

@@ -23,6 +23,7 @@ from strategy.errors import ConfigError
 from strategy.export.shards import ShardPlan, ShardWriter, TensorSpec, parse_size, plan_shards
 from strategy.internals import full_numel, full_shape, non_persistent_buffers
 from strategy.model import active_adapter, is_peft_model, unique_state_tensors
+from strategy.quant import is_four_bit
 
 
 @dataclass
@@ -66,6 +67,10 @@ def plan_export(module: nn.Module, dtype: torch.dtype | None, max_shard_size: in
     if merge_lora and not peft:
         raise ConfigError("merge_lora=True needs a PEFT model: "
                           "pass merge_lora=False for a plain model")
+    if merge_lora and is_four_bit(module):
+        raise ConfigError("merge_lora=True is invalid for a 4-bit (QLoRA) base: a merge would "
+                          "re-quantise it; export the adapter and merge it onto the "
+                          "full-precision base (peft's merge_and_unload)")
     if peft and not merge_lora:
         units, prefix, limit = adapter_units(module, dtype), "adapter_model", float("inf")
     else:

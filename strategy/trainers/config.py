@@ -181,6 +181,9 @@ class LoraConfig:
     lora_alpha: int = doc("adapter scaling numerator (scale = alpha / rank)", 16)
     lora_dropout: float = doc("dropout on the adapter input", 0.0)
     target_modules: str = doc("comma-separated module names to adapt, or all-linear", "all-linear")
+    load_in_4bit: bool = doc("QLoRA: load --pretrain's linear layers in 4-bit NF4 (double "
+                             "quantisation, compute dtype from --bf16/--fp16) and train LoRA "
+                             "adapters on them; needs bitsandbytes (pip install '.[qlora]')", False)
 
     def __post_init__(self) -> None:
         if self.lora_rank < 0:

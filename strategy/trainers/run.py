@@ -33,6 +33,7 @@ from strategy.internals import set_attn_implementation
 from strategy.lora import apply_lora, check_targets
 from strategy.optim import OptimConfig
 from strategy.parallel import check_sequence_parallel, check_tensor_parallel
+from strategy.quant import check_four_bit, four_bit_config, prepare_four_bit
 from strategy.trainers.algorithms.grpo import GRPOConfig, GRPOTrainer
 from strategy.trainers.algorithms.rewards import CallableReward, ModelReward
 from strategy.trainers.algorithms.sft import TILE_VOCAB
@@ -153,6 +154,8 @@ class Run:
         """
         pretrain = self.model_cfg.pretrain
         attention = {"attn_implementation": self.model_cfg.attn_implementation}
+        if self.lora.load_in_4bit:  # QLoRA: 4-bit linear layers, adapters on top
+            kwargs["quantization_config"] = four_bit_config(self.strategy.dtype)
         if self.train.aux_loss_coef > 0:  # the router loss returned apart; SFTTrainer adds it
             kwargs.update(output_router_logits=True, router_aux_loss_coef=0.0)
         if pretrain:
@@ -162,6 +165,8 @@ class Run:
             model = self.strategy.from_pretrained(source, auto_cls, **attention)
         if getattr(model.config, "pad_token_id", None) is None:  # saved with the export; a
             model.config.pad_token_id = self.tokenizer.pad_token_id  # classifier pools by it
+        if self.lora.load_in_4bit:
+            model = prepare_four_bit(model, self.strategy.config.gradient_checkpointing)
         if self.lora.lora_rank:
             model = apply_lora(model, self.lora.lora_rank, self.lora.lora_alpha,
                                self.lora.lora_dropout, self.lora.target_modules, lora_task,
@@ -342,6 +347,9 @@ def check_model(model: ModelConfig, lora: LoraConfig, data_cfg: DataConfig,
     else:
         config = hf_config(model.model_config)
     set_attn_implementation(config, model.attn_implementation)
+    if lora.load_in_4bit:
+        check_four_bit(model.pretrain, lora.lora_rank, strategy.param_offload,
+                       strategy.tensor_parallel_size)
     if lora.lora_rank and lora.target_modules.strip() != "all-linear":
         with torch.device("meta"):
             check_targets(AutoModelForCausalLM.from_config(config), lora.target_modules)
