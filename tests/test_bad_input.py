@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from strategy import ConfigError
+from strategy import ConfigError, StrategyError
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +272,8 @@ def test_openrlhf_rm_loss_flag(toy, monkeypatch):
      "weights needs ZeRO 0-2 without LoRA"),
     ("train_kto", {"kto_beta": 0}, "kto_beta=0.0 is invalid: use a positive number"),
     ("train_orpo", {"aux_loss_coef": 0.1}, "aux_loss_coef=0.1 is invalid"),
+    ("train_kto", {}, "label_key='label' is invalid: TOY/d.jsonl row 0 has no 'label' (nor "
+     "'chosen'), only ['input', 'output']"),
 ])
 def test_preference_trainers_refuse_settings_before_process_group(toy, monkeypatch, script,
                                                                    change, message):
@@ -283,6 +285,6 @@ def test_preference_trainers_refuse_settings_before_process_group(toy, monkeypat
     change = {k: v.replace("TOY", str(toy)) if isinstance(v, str) else v
               for k, v in change.items()}
     message = message.replace("TOY", str(toy))
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(StrategyError) as err:
         load_example(script)(_argv({**_base(toy), **change}))
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)

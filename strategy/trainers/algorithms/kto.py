@@ -27,7 +27,7 @@ from strategy.trainers.algorithms.preference import (
 from strategy.trainers.algorithms.sft import refuse_router_loss
 from strategy.trainers.config import DataConfig, KTOConfig
 from strategy.trainers.data import UNPAIRED
-from strategy.trainers.data.unpaired import mismatched
+from strategy.trainers.data.unpaired import check_first_row, mismatched
 from strategy.trainers.loop import Step, Trainer
 from strategy.trainers.loop.metrics import lockstep_batches
 from strategy.trainers.losses import kto_losses
@@ -66,6 +66,7 @@ class KTOTrainer(Trainer):
         Raises:
             ConfigError: sequence parallelism, packing or streaming; DPO's flags; a reference it
                 cannot build.
+            DataError: the data's first row has no label (nor a preference pair).
         """
         refuse_router_loss(configs, cls.__name__)
         check_reference_source(configs)
@@ -80,6 +81,7 @@ class KTOTrainer(Trainer):
                      "drop the flag")
         refuse_dpo_flags(configs, cls.__name__, "--kto_beta, --desirable_weight, "
                          "--undesirable_weight")
+        check_first_row(data)
 
     def __init__(self, strategy, model, ref_model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config=None, tokenizer=None,

@@ -20,6 +20,7 @@ from strategy.trainers.data.files import (
     Tokenize,
     admitted_parts,
     finished,
+    load_table,
     pair_parts,
     read_rows,
     text_field,
@@ -46,6 +47,25 @@ def kto_parts(tokenizer: Any, cfg: DataConfig):
                                   for key in (cfg.prompt_key, cfg.completion_key))
         return [tok.response(prompt, completion, where)], (label,)
     return make
+
+
+def check_first_row(cfg: DataConfig) -> None:
+    """KTO's columns on the first row of each ``--dataset`` source, read lazily (one row), so data
+    without labels is refused before any process group starts.
+
+    Args:
+        cfg: the ``DataConfig``.
+
+    Raises:
+        DataError: a source's first row has neither ``label_key`` nor ``chosen_key``.
+    """
+    for source in (cfg.dataset or "").split(","):
+        row = next(iter(load_table(source.strip(), cfg.dataset_split, streaming=True)), None)
+        if row is not None and row.get(cfg.label_key) is None \
+                and row.get(cfg.chosen_key) is None:
+            raise DataError(f"label_key={cfg.label_key!r} is invalid: {source.strip()} row 0 has "
+                            f"no {cfg.label_key!r} (nor {cfg.chosen_key!r}), only "
+                            f"{sorted(row)}; set --label_key, or give preference pairs")
 
 
 def load_kto(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1,
