@@ -1,6 +1,6 @@
 """SimPO on preference pairs: length-normalised rewards with a target margin, no reference model.
 
-deepspeed --num_gpus 2 examples/train_simpo.py --config configs/simpo_zero2.yaml
+deepspeed --num_gpus 2 examples/train_simpo.py --config configs/simpo_zero3.yaml
 """
 
 from strategy.trainers import SimPOConfig, SimPOTrainer

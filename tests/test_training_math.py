@@ -111,9 +111,10 @@ def one_step(kind: str, micro: int, accumulation: int | None, weighting: str, ro
                         loss_weighting=weighting)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     args = (strategy, model, optimizer, None, loader, None, train)
-    reference = AutoModelForCausalLM.from_config(tiny_llama(pad_token_id=0))
-    scale = 1.1 if kind == "kto" else 1.0  # KTO: a reference apart, so the KL point is not 0
-    reference.load_state_dict({n: p.clone() * scale for n, p in initial.items()})
+    if kind in ("dpo", "dpo-ipo", "kto"):
+        reference = AutoModelForCausalLM.from_config(tiny_llama(pad_token_id=0))
+        scale = 1.1 if kind == "kto" else 1.0  # KTO: a reference apart, so the KL point is not 0
+        reference.load_state_dict({n: p.clone() * scale for n, p in initial.items()})
     if kind == "sft":
         trainer = SFTTrainer(*args)
     elif kind == "rm":
