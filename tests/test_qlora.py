@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 
 import pytest
@@ -131,6 +132,31 @@ def test_qlora_trains_exports_and_resumes_exactly(ranks, toy, stage):
     again = _adapter(str(out))
     assert again.keys() == adapter.keys()
     assert all(torch.equal(again[k], adapter[k]) for k in again), "resume is not exact"
+
+
+def dpo(toy: str) -> dict:
+    from strategy.quant import is_four_bit
+    from strategy.trainers import DPOTrainer
+    from strategy.trainers.run import Run
+
+    argv = _argv(toy, 3, "dpo", max_steps=2, dataset=f"{toy}/data/pairs_train.jsonl",
+                 eval_dataset=f"{toy}/data/pairs_test.jsonl")
+    with Run.from_args(argv, trainer=DPOTrainer) as run:
+        model = run.model()
+        trainer = run.trainer(DPOTrainer, model, ref_model=run.reference(model), dpo=run.dpo)
+        final = trainer.fit()
+        return {"history": trainer.history, "final": final,
+                "reference_four_bit": is_four_bit(trainer.ref_model.module)}
+
+
+@pytest.mark.slow
+def test_qlora_dpo_at_zero3_keeps_a_4bit_reference(ranks, toy):
+    """QLoRA DPO: policy and frozen reference are both the 4-bit base (ZeRO-3 engines)."""
+    out = ranks.run(dpo, str(toy))[0]
+    assert out["reference_four_bit"]
+    assert [r["step"] for r in out["history"]] == [1, 2]
+    assert all(r["grad_norm"] > 0 for r in out["history"])
+    assert out["final"]["reward_accuracy"] >= 0 and math.isfinite(out["final"]["loss"])
 
 
 @pytest.mark.gpu

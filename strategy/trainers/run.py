@@ -193,7 +193,8 @@ class Run:
 
     def reference(self, model):
         """The frozen reference of DPO and KTO: ``--ref_pretrain``, else ``--pretrain`` loaded
-        again; from ``--model_config``, a copy of ``model``'s fresh weights (ZeRO 0-2, no LoRA).
+        again (in 4-bit too with ``--load_in_4bit``); from ``--model_config``, a copy of
+        ``model``'s fresh weights (ZeRO 0-2, no LoRA).
 
         Args:
             model: the policy (from ``Run.model``), copied when there is no checkpoint to load.
@@ -205,6 +206,9 @@ class Run:
             ConfigError: from ``--model_config`` under ZeRO-3 or LoRA.
         """
         source = self.model_cfg.ref_pretrain or self.model_cfg.pretrain
+        if source and self.lora.load_in_4bit:  # QLoRA: the reference is the same 4-bit base
+            return self.strategy.from_pretrained(
+                source, frozen=True, quantization_config=four_bit_config(self.strategy.dtype))
         if source:
             return self.strategy.from_pretrained(source, frozen=True)
         if self.strategy.config.zero_stage == 3 or self.lora.lora_rank:
