@@ -25,19 +25,32 @@ SPLITS = [(1, 8, 1), (2, 4, 1), (2, 1, 4), (2, 2, 2)]  # (world, micro, accumula
 # ------------------------------------------------------------ pure step arithmetic
 
 
-def _simulated_steps(samples: int, world: int, micro: int, accumulation: int) -> int:
-    """What the loop does: per-rank shard, whole micro-batches, whole steps."""
-    per_rank = samples // world
-    return (per_rank // micro) // accumulation
+def _sampled_steps(samples: int, world: int, micro: int, accumulation: int) -> int:
+    """What the loop trains on: each rank's shard from the real training sampler, cut into whole
+    micro-batches by a DataLoader that drops the partial one, grouped into whole steps; every
+    rank must come out the same."""
+    from torch.utils.data import DataLoader
+
+    from strategy.sampler import ResumableDistributedSampler
+
+    data = list(range(samples))
+    per_rank = set()
+    for rank in range(world):
+        sampler = ResumableDistributedSampler(data, num_replicas=world, rank=rank, shuffle=True,
+                                              seed=0, drop_last=True)
+        loader = DataLoader(data, batch_size=micro, sampler=sampler, drop_last=True)
+        per_rank.add(sum(1 for _ in loader) // accumulation)
+    assert len(per_rank) == 1, f"ranks disagree on steps: {per_rank}"
+    return per_rank.pop()
 
 
 @pytest.mark.parametrize("samples", [1, 7, 29, 45, 97, 128, 1001])
-def test_steps_per_epoch_matches_the_loader_arithmetic(samples):
+def test_steps_per_epoch_matches_the_real_sampler(samples):
     for world in (1, 2, 3, 8):
         for micro in (1, 2, 3, 5):
             for accumulation in (1, 2, 3, 4):
                 plan = plan_steps(samples, micro * accumulation * world, max_epochs=3)
-                assert plan.steps_per_epoch == _simulated_steps(samples, world, micro, accumulation)
+                assert plan.steps_per_epoch == _sampled_steps(samples, world, micro, accumulation)
                 assert plan.total_steps == 3 * plan.steps_per_epoch
 
 
