@@ -210,13 +210,20 @@ def multi_epoch(root: str, resume: bool) -> dict:
     from strategy.trainers import SFTTrainer
     from strategy.trainers.run import Run
 
+    class Counting(SFTTrainer):  # counts each step's real tokens apart from the meter
+        def train_steps(self, epoch, count):
+            for step in super().train_steps(epoch, count):
+                self.step_tokens.append(sum(int(b["attention_mask"].sum()) for b in step.batches))
+                yield step
+
     with Run.from_args(_argv(root, load_checkpoint=resume, peak_tflops=0.5)) as run:
-        trainer = run.trainer(SFTTrainer, run.model())
+        trainer = run.trainer(Counting, run.model())
+        trainer.step_tokens = []
         final = trainer.fit()
         plan = trainer.step_plan
         state = gathered_state(trainer.model)
     return {"history": trainer.history, "final": final, "state": state,
-            "plan": (plan.steps_per_epoch, plan.total_steps)}
+            "plan": (plan.steps_per_epoch, plan.total_steps), "step_tokens": trainer.step_tokens}
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +244,8 @@ def toy(tmp_path_factory):
 def test_epochs_with_leftovers_save_every_step_and_resume_exactly(ranks, toy):
     """45 samples, 2 ranks, micro 2, accumulation 3: each rank has 11 micro-batches an epoch, so
     3 steps and 2 leftover micro-batches; 3 epochs, a checkpoint after every step, dropout on."""
-    full = ranks.run(multi_epoch, str(toy), False)[0]
+    full_ranks = ranks.run(multi_epoch, str(toy), False)
+    full = full_ranks[0]
     assert full["plan"] == (3, 9)
     steps = [row["step"] for row in full["history"]]
     assert steps == list(range(1, 10)), steps
@@ -249,7 +257,8 @@ def test_epochs_with_leftovers_save_every_step_and_resume_exactly(ranks, toy):
     for k in range(6, 10):
         shutil.rmtree(ckpt / f"global_step{k}")
     (ckpt / "latest").write_text("global_step5")
-    resumed = ranks.run(multi_epoch, str(toy), True)[0]
+    resumed_ranks = ranks.run(multi_epoch, str(toy), True)
+    resumed = resumed_ranks[0]
     assert [row["step"] for row in resumed["history"]] == [6, 7, 8, 9]
     want = {row["step"]: row["loss"] for row in full["history"][5:]}
     got = {row["step"]: row["loss"] for row in resumed["history"]}
@@ -257,18 +266,24 @@ def test_epochs_with_leftovers_save_every_step_and_resume_exactly(ranks, toy):
     for name, value in full["state"].items():
         assert torch.equal(value, resumed["state"][name]), f"{name} differs after the resume"
     assert resumed["final"] == full["final"]
-    _check_throughput_logs(toy / "out" / "logs" / "metrics.jsonl")
+    counted = [sum(tokens) for tokens in zip(*(r["step_tokens"] for r in full_ranks))] + \
+        [sum(tokens) for tokens in zip(*(r["step_tokens"] for r in resumed_ranks))]
+    _check_throughput_logs(toy / "out" / "logs" / "metrics.jsonl", counted)
 
 
-def _check_throughput_logs(path) -> None:
-    """Every logged step carries throughput, step time, peak memory and MFU (--peak_tflops)."""
+def _check_throughput_logs(path, counted: list[int]) -> None:
+    """Every logged step carries its real token count (counted apart, both ranks), 12 samples,
+    a peak memory that never falls within a run, and MFU (--peak_tflops)."""
     rows = [json.loads(line) for line in open(path) if '"train/loss"' in line]
-    assert len(rows) == 9 + 4, len(rows)  # the full run, then the resumed one, same file
-    for row in rows:
-        tokens = row["train/tokens_per_s"] * row["train/step_time"]  # a window of one step
-        assert 12 * 4 <= tokens <= 12 * 24, row  # 12 samples of 4..24 tokens, no padding
+    assert len(rows) == 9 + 4 == len(counted), len(rows)  # the full run, then the resumed one
+    for row, tokens in zip(rows, counted):
+        logged = row["train/tokens_per_s"] * row["train/step_time"]  # a window of one step
+        assert logged == pytest.approx(tokens, rel=1e-9), (row, tokens)
         assert row["train/samples_per_s"] * row["train/step_time"] == pytest.approx(12)
-        assert row["train/peak_mem_gb"] > 0.05 and 0 < row["train/mfu"] < 1
+        assert 0 < row["train/mfu"] < 1
+    for run in (rows[:9], rows[9:]):  # a peak, not the current size
+        peaks = [row["train/peak_mem_gb"] for row in run]
+        assert peaks == sorted(peaks), peaks
 
 
 # ------------------------------------------------------------ exact held-out metrics
