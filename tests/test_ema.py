@@ -65,7 +65,8 @@ def ema_run(stage: int, root: str) -> dict:
     want = closed_form(start, seen, BETA)
     with ema.swapped_in():
         got = gathered_state(engine)
-    assert gathered_state(engine).keys() == got.keys()
+    assert want and got.keys() == want.keys(), "every weight has its closed-form average"
+    assert any(not torch.equal(got[n], seen[-1][n]) for n in got), "the average was swapped in"
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
     after_swap = gathered_state(engine)  # the weights came back
