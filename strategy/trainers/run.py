@@ -35,6 +35,7 @@ from strategy.optim import OptimConfig
 from strategy.parallel import check_sequence_parallel, check_tensor_parallel
 from strategy.quant import check_four_bit, four_bit_config, prepare_four_bit
 from strategy.trainers.algorithms.grpo import GRPOConfig, GRPOTrainer
+from strategy.trainers.algorithms.preference import check_reference_source
 from strategy.trainers.algorithms.rewards import CallableReward, ModelReward
 from strategy.trainers.algorithms.sft import TILE_VOCAB
 from strategy.trainers.config import (
@@ -154,8 +155,7 @@ class Run:
         """
         pretrain = self.model_cfg.pretrain
         attention = {"attn_implementation": self.model_cfg.attn_implementation}
-        if self.lora.load_in_4bit:  # QLoRA: 4-bit linear layers, adapters on top
-            kwargs["quantization_config"] = four_bit_config(self.strategy.dtype)
+        kwargs.update(self._quantization())
         if self.train.aux_loss_coef > 0:  # the router loss returned apart; SFTTrainer adds it
             kwargs.update(output_router_logits=True, router_aux_loss_coef=0.0)
         if pretrain:
@@ -206,15 +206,17 @@ class Run:
             ConfigError: from ``--model_config`` under ZeRO-3 or LoRA.
         """
         source = self.model_cfg.ref_pretrain or self.model_cfg.pretrain
-        if source and self.lora.load_in_4bit:  # QLoRA: the reference is the same 4-bit base
-            return self.strategy.from_pretrained(
-                source, frozen=True, quantization_config=four_bit_config(self.strategy.dtype))
-        if source:
-            return self.strategy.from_pretrained(source, frozen=True)
-        if self.strategy.config.zero_stage == 3 or self.lora.lora_rank:
-            raise ConfigError("model_config: a reference copied from fresh weights needs ZeRO 0-2 "
-                              "without LoRA; pass --pretrain MODEL_DIR instead")
+        if source:  # QLoRA: the same 4-bit base
+            return self.strategy.from_pretrained(source, frozen=True, **self._quantization())
+        check_reference_source({ModelConfig: self.model_cfg, StrategyConfig: self.strategy.config,
+                                LoraConfig: self.lora})
         return copy.deepcopy(model).requires_grad_(False)
+
+    def _quantization(self) -> dict:
+        """``from_pretrained``'s 4-bit settings under ``--load_in_4bit`` (else none)."""
+        if not self.lora.load_in_4bit:
+            return {}
+        return {"quantization_config": four_bit_config(self.strategy.dtype)}
 
     def reward(self):
         """The GRPO reward: the ``reward_fn`` callable, or the reward model as an eval engine.
