@@ -4,13 +4,14 @@ Layers, each importing only from the ones above it:
     errors, dtypes, internals            what everything shares (no other strategy import)
     dist, atomic_fs                      ranks and collectives; files that appear whole
     config/, quant                       typed configs, CLI/YAML binding, DeepSpeed config; 4-bit
-    optim/, checkpoint/, sampler, metrics, lora, ops     one concern each
+    optim/, checkpoint/, sampler, metrics, lora, ops, attention     one concern each
     ema                                  moving average of the weights, partitioned like them
     model, parallel/, export/            HF models; sequence/tensor parallelism; HF export
     deepspeed_strategy                   the facade: DeepSpeedStrategy
     trainers/, demos/                    loops and recipes built on the facade
 """
 
+from strategy.attention import attention_for  # registers sdpa_varlen with transformers
 from strategy.checkpoint import CheckpointConfig
 from strategy.config import StrategyConfig, build_ds_config, build_eval_ds_config, parse_configs
 from strategy.deepspeed_strategy import DeepSpeedStrategy
@@ -19,5 +20,5 @@ from strategy.errors import ConfigError, StrategyError
 from strategy.optim import CosineAnnealingWarmupLR, HybridAdam, OptimConfig
 
 __all__ = ["CheckpointConfig", "ConfigError", "CosineAnnealingWarmupLR", "DeepSpeedStrategy",
-           "HybridAdam", "OptimConfig", "StrategyConfig", "StrategyError", "build_ds_config",
-           "build_eval_ds_config", "parse_configs", "print0"]
+           "HybridAdam", "OptimConfig", "StrategyConfig", "StrategyError", "attention_for",
+           "build_ds_config", "build_eval_ds_config", "parse_configs", "print0"]

@@ -21,6 +21,8 @@ def toy(tmp_path_factory):
     tiny = {"hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 2}
     models = {"three_heads": {"model_type": "llama", "num_attention_heads": 3,
                               "num_key_value_heads": 3, **tiny},
+              "three_kv_heads": {"model_type": "llama", "num_attention_heads": 6,
+                                 "num_key_value_heads": 3, **tiny},
               "gpt2": {"model_type": "gpt2", "n_embd": 48, "n_head": 4, "n_layer": 2},
               "opt": {"model_type": "opt", "hidden_size": 48, "num_attention_heads": 4,
                       "ffn_dim": 64, "word_embed_proj_dim": 48, "num_hidden_layers": 2}}
@@ -114,8 +116,8 @@ CASES = [
     ({"sequence_parallel_size": 2, "model_config": "TOY/gpt2.json"},
      "sequence_parallel_size=2 is invalid: model_type 'gpt2' (sliding window None) is not "
      "supported"),
-    ({"sequence_parallel_size": 2, "packing_samples": True},
-     "packing_samples=True is invalid with sequence_parallel_size=2 and sdpa"),
+    ({"sequence_parallel_size": 2, "model_config": "TOY/three_kv_heads.json"},
+     "sequence_parallel_size=2 is invalid: the model's 3 key/value heads neither divide by it"),
     ({"packing_samples": True, "model_config": "TOY/opt.json"},
      "packing_samples=True is invalid: model_type 'opt' does not find packed samples"),
     ({"sequence_parallel_size": 2, "tensor_parallel_size": 2},

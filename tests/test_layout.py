@@ -32,6 +32,7 @@ LAYERS = {
     "quant": 3,
     "ops": 4,
     "ema": 4,
+    "attention": 4,
     "model": 5,
     "parallel": 6,
     "export": 7,

@@ -1,6 +1,6 @@
-"""Padding-free packing: rows told apart by position ids alone; packed forwards equal separate
-forwards on the supported families; refused families fail with one line; packed pairs give each
-sample's log-probability and reward."""
+"""Padding-free packing: rows told apart by position ids alone; packed forwards and backwards equal
+separate forwards on the supported families, with sdpa and with sdpa per sample (``sdpa_varlen``);
+refused families fail with one line; packed pairs give each sample's log-probability and reward."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from strategy.attention import VARLEN
 from strategy.errors import ConfigError
 from strategy.trainers.algorithms.dpo import sequence_logps
 from strategy.trainers.data import packing
@@ -31,24 +32,77 @@ def test_packed_rows_carry_positions_and_no_mask():
     assert batch["labels"][0].tolist() == [-100, 6, 7, -100, 9]
 
 
+def _separate(model, rows: list[dict], samples: list[dict], width: int) -> list[torch.Tensor]:
+    """Each packed row's logits from separate forwards: one per sample, one for the padding."""
+    out, samples = [], iter(samples)
+    for row in rows:
+        pieces = [model(input_ids=torch.tensor([next(samples)["input_ids"]]),
+                        use_cache=False).logits[0] for _ in row["seq_lens"]]
+        if sum(row["seq_lens"]) < width:  # padding counts on from 0: a sample of its own
+            pad = torch.zeros(1, width - sum(row["seq_lens"]), dtype=torch.long)
+            pieces.append(model(input_ids=pad, use_cache=False).logits[0])
+        out.append(torch.cat(pieces))
+    return out
+
+
+@pytest.mark.parametrize("attention", ["sdpa", VARLEN])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
-def test_packed_forward_equals_separate_forwards(family):
+def test_packed_forward_and_backward_equal_separate_forwards(family, attention):
+    """Logits and every weight's gradient (fp32) of packed rows equal the samples run alone,
+    with transformers' sdpa (a block-diagonal mask) and with ``sdpa_varlen`` (sdpa per sample)."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
-    rows = packing.pack(SAMPLES, max_len=9)
+    model = AutoModelForCausalLM.from_config(FAMILIES[family](),
+                                             attn_implementation=attention).eval()
+    samples = SAMPLES + [{"input_ids": [20 + i for i in range(n)], "labels": [-100] * n}
+                         for n in (7, 2, 5, 1)]  # equal lengths across rows: batched together
+    rows = packing.pack(samples, max_len=9)
     batch = packing.collate_packed(0)(rows)
-    samples = iter(SAMPLES)
+    packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                   use_cache=False).logits
+    weights = torch.randn_like(packed)  # a loss that weighs every position differently
+    (packed * weights).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    alone = torch.stack(_separate(model, rows, samples, packed.shape[1]))
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    (alone * weights).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_sdpa_varlen_attends_per_sample_and_keeps_padded_batches(monkeypatch):
+    """Each sdpa call of a packed forward covers samples of one length (all of them at once),
+    never the whole row; a padded batch with its attention mask runs transformers' sdpa."""
+    import strategy.attention as attention
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FAMILIES["llama"](), attn_implementation=VARLEN)
+    rows = packing.pack(SAMPLES + [{"input_ids": [9] * 5, "labels": [9] * 5}], max_len=9)
+    batch = packing.collate_packed(0)(rows)  # rows [3 2 4] [5 +4 padding] [5 +4 padding]
+    calls = []
+    real = attention.sdpa_attention_forward
+
+    def spy(module, query, *args, **kwargs):
+        calls.append((query.shape[0], query.shape[2]))
+        return real(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", spy)
     with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                       use_cache=False).logits
-        for row_number, row in enumerate(rows):
-            start = 0
-            for length in row["seq_lens"]:
-                ids = torch.tensor([next(samples)["input_ids"]])
-                alone = model(input_ids=ids, use_cache=False).logits[0]
-                torch.testing.assert_close(packed[row_number, start:start + length], alone,
-                                           rtol=1e-5, atol=1e-5)
-                start += length
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    per_layer = sorted(calls[:len(calls) // 2])
+    assert per_layer == [(1, 2), (1, 3), (2, 5), (3, 4)], calls
+    assert attention.sample_plan(torch.arange(6).expand(3, 6), 3) is None  # one sample a row
+
+    plain = AutoModelForCausalLM.from_config(FAMILIES["llama"](), attn_implementation="sdpa")
+    plain.load_state_dict(model.state_dict())
+    ids = torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])  # left padding, as generation pads
+    calls.clear()
+    with torch.no_grad():
+        want = plain(input_ids=ids, attention_mask=mask).logits
+        got = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-5, atol=1e-5)
+    assert calls and all(rows == 2 and length == 4 for rows, length in calls)
 
 
 @pytest.mark.parametrize("kind", ["opt", "bloom", "mpt"])

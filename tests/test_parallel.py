@@ -55,6 +55,7 @@ def train(root: str, name: str, sp: int, kind: str, tp: int = 1, **extra) -> dic
     dataset = "sft" if kind == "sft" else "pairs"
     with Run.from_args(_argv(root, name, sp, dataset, tp, **extra)) as run:
         model = run.model()
+        attention = model.config._attn_implementation
         if kind == "sft":
             trainer = run.trainer(SFTTrainer, model)
         else:
@@ -62,7 +63,7 @@ def train(root: str, name: str, sp: int, kind: str, tp: int = 1, **extra) -> dic
             trainer = run.trainer(DPOTrainer, model, ref_model=reference, dpo=run.dpo)
         final = trainer.fit()
         split = [n for n, p in trainer.model.named_parameters() if is_tensor_parallel_param(p)]
-    return {"history": trainer.history, "final": final, "split": split}
+    return {"history": trainer.history, "final": final, "split": split, "attention": attention}
 
 
 def _exported(path) -> dict[str, torch.Tensor]:
@@ -83,17 +84,25 @@ def _assert_same_run(a: dict, b: dict, root, names: tuple[str, str]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_sft_with_sequence_parallel_matches_without(ranks, toy, stage):
+@pytest.mark.parametrize("stage,packed", [(2, False), (3, True)], ids=["zero2", "zero3-packed"])
+def test_sft_with_sequence_parallel_matches_without(ranks, toy, stage, packed):
+    """sp=2 against sp=1: right-padded rows at ZeRO-2; packed rows (about 4 samples a row) at
+    ZeRO-3, where both sides run sdpa per sample (``sdpa_varlen``, chosen for packing) and sp=2
+    finds the samples over the sequence DeepSpeed gathers."""
     extra = {"zero_stage": stage}
     if stage == 3:
         extra["ds_config_overrides"] = json.dumps(
             {"zero_optimization": {"stage3_param_persistence_threshold": 0}})
-    plain = ranks.run(train, str(toy), f"sft{stage}-sp1", 1, "sft", **extra)[0]
-    split = ranks.run(train, str(toy), f"sft{stage}-sp2", 2, "sft", **extra)
+    if packed:
+        extra.update(packing_samples=True, max_len=40)
+    name = f"sft{stage}{'-packed' * packed}"
+    plain = ranks.run(train, str(toy), f"{name}-sp1", 1, "sft", **extra)[0]
+    split = ranks.run(train, str(toy), f"{name}-sp2", 2, "sft", **extra)
     same = [[(row["loss"], row["grad_norm"]) for row in out["history"]] for out in split]
     assert same[0] == same[1], "the two slices must log the same steps"
-    _assert_same_run(plain, split[0], toy, (f"sft{stage}-sp1", f"sft{stage}-sp2"))
+    assert all(row["grad_norm"] > 0 for row in plain["history"])  # both sides train
+    assert plain["attention"] == split[0]["attention"] == ("sdpa_varlen" if packed else "sdpa")
+    _assert_same_run(plain, split[0], toy, (f"{name}-sp1", f"{name}-sp2"))
 
 
 @pytest.mark.slow

@@ -97,6 +97,7 @@ def one_step(kind: str, micro: int, accumulation: int | None, weighting: str, ro
     )
     from strategy.trainers import data as ds
     from strategy.trainers.config import DPOConfig, KTOConfig, SimPOConfig
+    from strategy.attention import attention_for
     from strategy.trainers.data import packing, unpaired
 
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -118,7 +119,9 @@ def one_step(kind: str, micro: int, accumulation: int | None, weighting: str, ro
     loader = strategy.setup_dataloader(rows, micro, shuffle=False, collate_fn=collate)
     torch.manual_seed(0)
     cls = AutoModelForSequenceClassification if kind == "rm" else AutoModelForCausalLM
-    model = strategy.from_pretrained(tiny_llama(pad_token_id=0, num_labels=1), cls)
+    attention = attention_for("sdpa", packed)  # packed rows: sdpa per sample, as runs load
+    model = strategy.from_pretrained(tiny_llama(pad_token_id=0, num_labels=1), cls,
+                                     attn_implementation=attention)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     train = TrainConfig(max_steps=1, log_dir=None, save_path=f"{root}/{kind}-{world}-{micro}",
                         loss_weighting=weighting)

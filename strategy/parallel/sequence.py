@@ -6,8 +6,9 @@ attention an all-to-all turns sequence shards into head shards and back, so ever
 over the whole sequence with ``heads / sp`` heads. Labels are shifted before slicing
 (``shift_labels``), so no next-token target is lost at a slice boundary, and position ids travel
 with each slice (Ulysses needs them). Attention masks are dropped, as DeepSpeed's wrapper does:
-batches must be right-padded, and packed rows need flash attention (sdpa would attend across
-samples), so packing with sequence parallelism is refused on sdpa.
+batches must be right-padded, and packed rows run flash attention's varlen path or
+``sdpa_varlen`` (``strategy.attention``), which find the samples from the position ids DeepSpeed
+gathers over the whole sequence.
 
 Gradients: ZeRO 1/2 sum a parameter's gradient over the sequence-parallel group and average over
 data-parallel ranks; ZeRO-3 averages over all ranks, so its losses are scaled by ``sp`` to match.
@@ -23,6 +24,7 @@ import torch.distributed.nn.functional as differentiable
 from deepspeed.runtime.sequence_parallel import parallel_state_sp
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from strategy.attention import VARLEN
 from strategy.errors import fail
 from strategy.internals import (
     attn_implementation,
@@ -48,7 +50,7 @@ def check_sequence_parallel(hf_config: Any, sp: int) -> None:
              f"{getattr(text, 'sliding_window', None)}) is not supported by DeepSpeed Ulysses "
              f"here; use one of {', '.join(ULYSSES_FAMILIES)} without a sliding window")
     implementation = attn_implementation(hf_config)
-    if implementation not in ("sdpa", "flash_attention_2", "flash_attention_3"):
+    if implementation not in ("sdpa", VARLEN, "flash_attention_2", "flash_attention_3"):
         fail("sequence_parallel_size", sp, f"attention {implementation!r} cannot run under "
              "Ulysses; load the model with attn_implementation='sdpa' or flash_attention_2")
     heads, kv_heads = text.num_attention_heads, getattr(text, "num_key_value_heads", None)

@@ -21,8 +21,9 @@ class ModelConfig:
     model_config: str | None = doc("JSON file of an HF config to build a fresh model from "
                                    "(tiny toy runs)", None)
     tokenizer: str | None = doc("tokenizer directory (default: --pretrain)", None)
-    attn_implementation: str = doc("attention kernel: sdpa, flash_attention_2 (GPU; varlen "
-                                   "packing) or eager", "sdpa")
+    attn_implementation: str = doc("attention kernel: sdpa (packed rows: sdpa_varlen, per "
+                                   "sample), sdpa_varlen, flash_attention_2 (GPU), "
+                                   "flex_attention (GPU) or eager", "sdpa")
 
     ref_pretrain: str | None = doc("the frozen reference of DPO/GRPO (default: --pretrain)",
                                    None)

@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from strategy import dist
+from strategy.attention import attention_for
 from strategy.checkpoint import CheckpointConfig, RunLayout, check_resumable
 from strategy.config import StrategyConfig, parse_configs
 from strategy.deepspeed_strategy import DeepSpeedStrategy
@@ -154,7 +155,7 @@ class Run:
             The model, from ``--pretrain`` or built from ``--model_config``.
         """
         pretrain = self.model_cfg.pretrain
-        attention = {"attn_implementation": self.model_cfg.attn_implementation}
+        attention = self.attention()
         kwargs.update(self._quantization())
         if self.train.aux_loss_coef > 0:  # the router loss returned apart; SFTTrainer adds it
             kwargs.update(output_router_logits=True, router_aux_loss_coef=0.0)
@@ -207,10 +208,17 @@ class Run:
         """
         source = self.model_cfg.ref_pretrain or self.model_cfg.pretrain
         if source:  # QLoRA: the same 4-bit base
-            return self.strategy.from_pretrained(source, frozen=True, **self._quantization())
+            return self.strategy.from_pretrained(source, frozen=True, **self.attention(),
+                                                 **self._quantization())
         check_reference_source({ModelConfig: self.model_cfg, StrategyConfig: self.strategy.config,
                                 LoraConfig: self.lora})
         return copy.deepcopy(model).requires_grad_(False)
+
+    def attention(self) -> dict:
+        """``from_pretrained``'s attention for this run's data: ``--attn_implementation``, with
+        sdpa's per-sample variant (``sdpa_varlen``) for packed rows."""
+        name = attention_for(self.model_cfg.attn_implementation, self.data.packing_samples)
+        return {"attn_implementation": name}
 
     def _quantization(self) -> dict:
         """``from_pretrained``'s 4-bit settings under ``--load_in_4bit`` (else none)."""
@@ -352,7 +360,8 @@ def check_model(model: ModelConfig, lora: LoraConfig, data_cfg: DataConfig,
         config = AutoConfig.from_pretrained(model.pretrain)
     else:
         config = hf_config(model.model_config)
-    set_attn_implementation(config, model.attn_implementation)
+    set_attn_implementation(config, attention_for(model.attn_implementation,
+                                                  data_cfg.packing_samples))
     if lora.load_in_4bit:
         check_four_bit(model.pretrain, lora.lora_rank, strategy.param_offload,
                        strategy.tensor_parallel_size)
@@ -363,14 +372,8 @@ def check_model(model: ModelConfig, lora: LoraConfig, data_cfg: DataConfig,
         packing.check_packing_family(config.model_type)
     if train is not None and train.aux_loss_coef > 0:
         check_router_loss(config, train)
-    sequence = strategy.sequence_parallel_size
-    check_sequence_parallel(config, sequence)
+    check_sequence_parallel(config, strategy.sequence_parallel_size)
     check_tensor_parallel(config, strategy.tensor_parallel_size)
-    if sequence > 1 and data_cfg.packing_samples and model.attn_implementation == "sdpa":
-        raise ConfigError(f"packing_samples=True is invalid with sequence_parallel_size={sequence} "
-                          "and sdpa: Ulysses drops masks, so sdpa would attend across packed "
-                          "samples; use --attn_implementation flash_attention_2 (GPU) or no "
-                          "packing")
 
 
 def check_router_loss(config: Any, train: TrainConfig) -> None:
