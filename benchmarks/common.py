@@ -8,6 +8,7 @@ skips the first steps of a run. Tokens are counted in the collator (non-padding 
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 
@@ -68,28 +69,30 @@ def optimizer_and_schedule(strategy, model, steps: int):
                                                 num_warmup_steps=0)
 
 
-def run_ours(strategy, model_config, rows, collate, micro: int, steps: int, skip: int) -> float:
-    """Our SFTTrainer for ``steps`` steps; tokens/s summed over ranks."""
+def run_ours(strategy, model_config, rows, collate, micro: int, steps: int, skip: int,
+             attention: str = "sdpa") -> float:
+    """Our SFTTrainer for ``steps`` steps with ``attention``; tokens/s summed over ranks."""
     torch.manual_seed(1)
-    model = strategy.from_pretrained(model_config)
+    model = strategy.from_pretrained(model_config, attn_implementation=attention)
     clock = StepClock(collate)
     loader = strategy.setup_dataloader(rows, micro, shuffle=True, collate_fn=clock)
     config = TrainConfig(max_steps=steps, max_epochs=100, logging_steps=1, log_dir=None,
                          save_path="/dev/null")
     trainer = ClockedSFT(strategy, model, *optimizer_and_schedule(strategy, model, steps), loader,
                          None, config)
-    trainer.clock, trainer.save_model = clock, lambda path: None  # time training only
+    trainer.clock, trainer.save_model = clock, lambda *a, **k: None  # time training only
     trainer.fit()
     return strategy.all_reduce(clock.tokens_per_second(skip), "sum")
 
 
 def run_theirs(strategy, model_config, rows, collate, micro: int, steps: int, skip: int,
-               out: str) -> float:
+               out: str, attention: str = "sdpa") -> float:
     """transformers' Trainer with the same DeepSpeed config, optimizer and schedule."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(model_config)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config),  # from_config sets
+                                             attn_implementation=attention)  # it on the config
     clock = StepClock(collate)
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=micro, max_steps=steps,

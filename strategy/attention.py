@@ -78,6 +78,17 @@ def _per_sample(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
     return torch.cat(outputs)[inverse].view(rows, width, heads, -1)
 
 
+_last_plan: list = [None, None]  # (position ids, plan): every layer of a forward gets the same ids
+
+
+def _plan_for(position_ids: torch.Tensor, rows: int) -> list[tuple[int, torch.Tensor]] | None:
+    """``sample_plan`` once per forward (one host sync, not one per layer); Ulysses gathers new
+    ids for every layer, which are planned afresh."""
+    if _last_plan[0] is not position_ids or _last_plan[1][0] != rows:
+        _last_plan[:] = [position_ids, (rows, sample_plan(position_ids, rows))]
+    return _last_plan[1][1]
+
+
 def sdpa_varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
                           value: torch.Tensor, attention_mask: torch.Tensor | None,
                           dropout: float = 0.0, scaling: float | None = None,
@@ -87,7 +98,7 @@ def sdpa_varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
     plan = None
     if (attention_mask is None and position_ids is not None and query.shape[2] > 1
             and query.shape[2] == key.shape[2] == position_ids.shape[-1]):
-        plan = sample_plan(position_ids, query.shape[0])
+        plan = _plan_for(position_ids, query.shape[0])
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)

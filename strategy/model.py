@@ -4,6 +4,7 @@ tied ones once."""
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any, Callable
 
@@ -25,8 +26,9 @@ def build_hf_model(name_or_config: Any, auto_cls: Any = None, dtype: torch.dtype
     ZeRO-3 ``HfDeepSpeedConfig`` transformers builds inside ``deepspeed.zero.Init``: each rank only
     ever materializes its own partition. A local directory's weights are checked first."""
     auto_cls = auto_cls or AutoModelForCausalLM
-    if isinstance(name_or_config, PretrainedConfig):
-        return auto_cls.from_config(name_or_config, dtype=dtype, **kwargs)
+    if isinstance(name_or_config, PretrainedConfig):  # a copy: from_config sets the attention
+        config = copy.deepcopy(name_or_config)  # on the config it is given, the caller's too
+        return auto_cls.from_config(config, dtype=dtype, **kwargs)
     if os.path.isdir(name_or_config):
         check_safetensors_dir(name_or_config)
     return auto_cls.from_pretrained(name_or_config, dtype=dtype, **kwargs)

@@ -1,5 +1,7 @@
-"""GPU only: flash attention 2 takes its varlen path on packed rows (position ids, no mask), and
-Ulysses sequence parallelism runs over flash attention. Skipped on CPU-only machines (CI)."""
+"""GPU only: flash attention 2 takes its varlen path on packed rows (position ids, no mask);
+sdpa per sample and flex attention (whose backward exists on CUDA only) train packed rows as the
+samples alone; Ulysses sequence parallelism runs over flash attention. Skipped on CPU-only
+machines (CI)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,32 @@ def test_flash_attention_varlen_packing_equals_separate_forwards():
             torch.testing.assert_close(packed[0, start:start + length].float(), alone.float(),
                                        rtol=2e-2, atol=2e-2)  # bf16 kernels, different tiling
             start += length
+
+
+@pytest.mark.parametrize("attention", ["sdpa_varlen", "flex_attention"])
+def test_packed_forward_and_backward_on_cuda_equal_separate_forwards(attention):
+    from transformers import AutoModelForCausalLM
+
+    import strategy  # noqa: F401  (registers sdpa_varlen)
+
+    torch.manual_seed(0)
+    config = tiny_llama(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).cuda()
+    samples = [list(range(5, 5 + n)) for n in (7, 19, 3, 30, 3)]
+    rows = packing.pack([{"input_ids": s, "labels": s} for s in samples], max_len=64)
+    batch = packing.collate_packed(0)(rows)
+    packed = model(input_ids=batch["input_ids"].cuda(),
+                   position_ids=batch["position_ids"].cuda(), use_cache=False).logits
+    width = sum(len(s) for s in samples)
+    packed[0, :width].square().mean().backward()  # the samples' positions (not the padding)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    alone = torch.cat([model(input_ids=torch.tensor([s]).cuda(), use_cache=False).logits[0]
+                       for s in samples])
+    torch.testing.assert_close(packed[0, :width], alone, rtol=1e-4, atol=1e-4)
+    alone.square().mean().backward()
+    for want, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, want, rtol=1e-3, atol=1e-5)
 
 
 def sp_flash(root: str) -> list[float]:

@@ -86,6 +86,7 @@ def one_step(kind: str, micro: int, accumulation: int | None, weighting: str, ro
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from strategy import DeepSpeedStrategy, OptimConfig, StrategyConfig
+    from strategy.attention import attention_for
     from strategy.trainers import (
         DPOTrainer,
         KTOTrainer,
@@ -97,7 +98,6 @@ def one_step(kind: str, micro: int, accumulation: int | None, weighting: str, ro
     )
     from strategy.trainers import data as ds
     from strategy.trainers.config import DPOConfig, KTOConfig, SimPOConfig
-    from strategy.attention import attention_for
     from strategy.trainers.data import packing, unpaired
 
     world = int(os.environ.get("WORLD_SIZE", 1))

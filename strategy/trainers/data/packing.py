@@ -1,11 +1,12 @@
 """Padding-free packing: several samples in one row, told apart by ``position_ids`` alone.
 
-Packed rows carry position ids that restart at 0 for each sample and no attention mask, so
-transformers finds the sample boundaries itself (``masking_utils.find_packed_sequence_indices``
-builds the block-causal mask for sdpa/flex/eager) and flash attention 2 takes its varlen path;
-no O(L^2) mask is ever built here. Forwards must pass ``use_cache=False`` (with a cache
-transformers skips the packed-sequence detection). Each sample's first label is ignored: it
-would otherwise be trained to follow the previous sample's last token.
+Packed rows carry position ids that restart at 0 for each sample and no attention mask: on sdpa
+runs load ``sdpa_varlen`` (``strategy.attention``: sdpa on each sample alone), flash attention 2
+takes its varlen path, and for flex/eager transformers builds the block-causal mask itself
+(``masking_utils.find_packed_sequence_indices``); no O(L^2) mask is ever built here.
+Forwards must pass ``use_cache=False`` (with a cache transformers skips the packed-sequence
+detection). Each sample's first label is ignored: it would otherwise be trained to follow the
+previous sample's last token.
 
 Pairs (RM/DPO) pack a pair's chosen and rejected responses into the same row; ``sample_index``
 maps every token to its sample (chosen of pair ``p`` is sample ``p``, its rejected one ``P + p``
