@@ -17,8 +17,8 @@ gathered sequence, as flash attention 2's varlen path finds them.
 Select it by name (``--attn_implementation sdpa_varlen``, or ``attn_implementation=
 "sdpa_varlen"`` in ``from_pretrained``); ``attention_for(name, packing)`` picks it for packed
 runs on sdpa. It needs the model to hand ``position_ids`` to its attention (the families in
-``trainers.data.packing.PACKING_FAMILIES`` that the tests run) and no sliding window (a model with
-one gets transformers' sdpa mask, which is exact but dense).
+``trainers.data.packing.PACKING_FAMILIES``, each run by the tests); a sliding window shorter
+than the row gets transformers' sdpa mask (exact, but dense).
 """
 
 from __future__ import annotations
@@ -110,12 +110,11 @@ def sdpa_varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
 def sdpa_varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
                      kv_offset: int = 0, attention_mask: torch.Tensor | None = None,
                      **kwargs: Any) -> torch.Tensor | None:
-    """No mask where the attention finds the samples itself (no padding mask, no cache, full
-    attention); sdpa's mask otherwise (padding, generation with a cache, a sliding window)."""
-    config = kwargs.get("config")
-    window = getattr(config, "sliding_window", None) if config is not None else None
+    """No mask where the attention finds the samples itself (no padding mask, no cache, no
+    sliding window shorter than the row); sdpa's mask otherwise."""
+    window = getattr(kwargs.get("config"), "sliding_window", None)  # shorter than the row: the
     if (attention_mask is None and q_offset == 0 and kv_offset == 0 and q_length == kv_length
-            and not window):
+            and not (window and window < kv_length)):  # dense mask (exact, not faster)
         return None
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                      q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,

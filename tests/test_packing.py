@@ -4,6 +4,8 @@ refused families fail with one line; packed pairs give each sample's log-probabi
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -68,6 +70,40 @@ def test_packed_forward_and_backward_equal_separate_forwards(family, attention):
     (alone * weights).sum().backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, vocab_size=96, n_embd=32, n_layer=2, n_head=4,
+             n_inner=64, rotary_dim=4, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=32, shared_expert_intermediate_size=32, n_positions=64,
+             max_position_embeddings=64)
+FAMILY_CASES = [(kind, {}) for kind in packing.PACKING_FAMILIES if kind != "gemma2"] + [
+    ("mistral", {"sliding_window": 3})]  # a window shorter than the row: the dense mask
+
+
+@pytest.mark.parametrize("kind,extra", FAMILY_CASES,
+                         ids=[k + "".join(f"-{n}{v}" for n, v in e.items())
+                              for k, e in FAMILY_CASES])
+def test_every_packing_family_runs_packed_rows_on_sdpa_varlen(kind, extra):
+    """Every family packing accepts (gemma2 has no sdpa in transformers) hands the position ids to
+    its attention: packed rows on ``sdpa_varlen`` equal the samples run alone."""
+    config = CONFIG_MAPPING[kind]()
+    for name, value in {**SMALL, **extra}.items():
+        if hasattr(config, name):
+            setattr(config, name, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config),  # from_config sets the
+                                             attn_implementation=VARLEN).eval()  # attention on
+    plain = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()  # it
+    plain.load_state_dict(model.state_dict())  # the samples alone on transformers' own sdpa
+    rows = packing.pack(SAMPLES, max_len=9)
+    batch = packing.collate_packed(0)(rows)
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                       use_cache=False).logits
+        alone = torch.stack(_separate(plain, rows, SAMPLES, packed.shape[1]))
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    assert model.config._attn_implementation == VARLEN
 
 
 def test_sdpa_varlen_attends_per_sample_and_keeps_padded_batches(monkeypatch):
