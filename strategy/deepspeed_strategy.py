@@ -401,7 +401,8 @@ class DeepSpeedStrategy:
         return engine
 
     def _mpu(self, model: nn.Module, micro_batch_size: int) -> Any:
-        """Ulysses' groups for ``deepspeed.initialize`` (installing its attention on first use)."""
+        """Ulysses' groups for ``deepspeed.initialize`` (installing its attention for the model's
+        implementation on first use)."""
         if self.sequence is None:
             return None
         self.sequence.install(model, micro_batch_size)

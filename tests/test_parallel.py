@@ -106,12 +106,19 @@ def test_sft_with_sequence_parallel_matches_without(ranks, toy, stage, packed):
 
 
 @pytest.mark.slow
-def test_dpo_with_nll_under_sequence_parallel_matches_without(ranks, toy):
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_dpo_with_nll_under_sequence_parallel_matches_without(ranks, toy, packed):
+    """Packed pairs: each slice sums its targets into their samples by the sample index shifted
+    and sliced with the labels."""
     extra = {"nll_loss_coef": 0.5, "beta": 0.2}
-    plain = ranks.run(train, str(toy), "dpo-sp1", 1, "dpo", **extra)[0]
-    split = ranks.run(train, str(toy), "dpo-sp2", 2, "dpo", **extra)[0]
+    if packed:
+        extra.update(packing_samples=True, max_len=24)
+    name = f"dpo{'-packed' * packed}"
+    plain = ranks.run(train, str(toy), f"{name}-sp1", 1, "dpo", **extra)[0]
+    split = ranks.run(train, str(toy), f"{name}-sp2", 2, "dpo", **extra)[0]
     assert plain["history"][0]["reward_margin"] == pytest.approx(0.0, abs=1e-6)
-    _assert_same_run(plain, split, toy, ("dpo-sp1", "dpo-sp2"))
+    assert all(row["grad_norm"] > 0 for row in plain["history"])  # both sides train
+    _assert_same_run(plain, split, toy, (f"{name}-sp1", f"{name}-sp2"))
 
 
 @pytest.mark.slow

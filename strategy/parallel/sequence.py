@@ -24,7 +24,7 @@ import torch.distributed.nn.functional as differentiable
 from deepspeed.runtime.sequence_parallel import parallel_state_sp
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from strategy.attention import VARLEN
+from strategy.attention import VARLEN, sdpa_varlen_attention
 from strategy.errors import fail
 from strategy.internals import (
     attn_implementation,
@@ -91,7 +91,7 @@ class SequenceParallel:
         parallel_state_sp.initialize_sequence_parallel(size)  # collective: every rank
         self.group = parallel_state_sp.get_sequence_parallel_group()
         self.rank = parallel_state_sp.get_sequence_parallel_rank()
-        self.installed: str | None = None
+        self.installed: list[str] = []
 
     @property
     def mpu(self) -> Any:
@@ -99,22 +99,26 @@ class SequenceParallel:
         return parallel_state_sp
 
     def install(self, model: Any, micro_batch_size: int) -> None:
-        """Route the model's attention (sdpa) through Ulysses, once per run."""
-        if self.installed is not None:
-            return
+        """Route the model's attention through Ulysses, once per attention implementation (a
+        reference loaded with another one than the policy's is sliced alike)."""
         config = getattr(model, "config", model)
         check_sequence_parallel(config, self.size)
         implementation = attn_implementation(config)
-        core = ALL_ATTENTION_FUNCTIONS[implementation]
+        if implementation in self.installed:
+            return
+        # Ulysses drops masks: sdpa finds packed samples from the gathered position ids too
+        core = (sdpa_varlen_attention if implementation in ("sdpa", VARLEN)
+                else ALL_ATTENTION_FUNCTIONS[implementation])
         # transformers' process-wide table: every model using this attention now runs Ulysses
         # (DeepSpeed's own registration does the same); close() puts the original back
         ALL_ATTENTION_FUNCTIONS[implementation] = ulysses_attention(core, config, self.group,
                                                                     micro_batch_size)
-        self.installed = implementation
+        self.installed.append(implementation)
 
     def shard(self, batch: dict, pad_id: int = 0) -> dict:
         """This rank's slice of the sequence: ``input_ids``, ``position_ids``, ``shift_labels``
-        (labels shifted before slicing); padded on the right to a multiple of the group size."""
+        (labels shifted before slicing) and, for packed pairs, ``shift_sample_index`` (shifted
+        alike); padded on the right to a multiple of the group size. Other keys stay whole."""
         ids = batch["input_ids"]
         rows, length = ids.shape
         width = -(-length // self.size) * self.size
@@ -132,6 +136,9 @@ class SequenceParallel:
         out["position_ids"] = torch.cat([positions, tail], dim=1)[:, window].contiguous()
         out["shift_labels"] = labels[:, 1:][:, window].contiguous()
         out["input_ids"] = out["input_ids"].contiguous()
+        if "sample_index" in batch:  # packed pairs: the sample of each shifted target
+            index = torch.nn.functional.pad(batch["sample_index"], (0, extra + 1), value=-1)
+            out["shift_sample_index"] = index[:, 1:][:, window].contiguous()
         return out
 
     def sum(self, tensor: torch.Tensor, keep_gradient: bool = False) -> torch.Tensor:
@@ -145,7 +152,7 @@ class SequenceParallel:
 
     def close(self) -> None:
         """Put transformers' attention back and release the groups (a later run may start)."""
-        if self.installed is not None:
-            del ALL_ATTENTION_FUNCTIONS[self.installed]  # the default implementation returns
-            self.installed = None
+        for implementation in self.installed:  # the registered implementation returns
+            del ALL_ATTENTION_FUNCTIONS[implementation]
+        self.installed = []
         release_sequence_parallel_groups()

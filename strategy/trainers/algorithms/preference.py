@@ -42,7 +42,9 @@ def sequence_logp_sums(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     logp, mask = token_logps(model, batch)
     if "sample_index" not in batch:
         return logp.sum(-1), mask.sum(-1)
-    index = batch["sample_index"][:, 1:]  # the token each next-token target is
+    index = batch.get("shift_sample_index")  # a sequence-parallel slice's, shifted with it
+    if index is None:
+        index = batch["sample_index"][:, 1:]  # the sample each next-token target belongs to
     samples = 2 * pair_count(batch)
     return per_sample_sums(logp, index, samples), per_sample_sums(mask.long(), index, samples)
 
