@@ -126,6 +126,19 @@ CASES = [
                                                    "trains with ZeRO 0-2"),
     ({"tensor_parallel_size": 3}, "tensor_parallel_size=3 is invalid: the world size 2 does not "
                                   "divide by it"),
+    ({"tensor_parallel_size": 2, "model_config": "TOY/three_heads.json"},
+     "tensor_parallel_size=2 is invalid: the model's 3 attention heads do not divide by it; use a "
+     "divisor of 3"),
+    ({"tensor_parallel_size": 2, "model_config": "TOY/three_kv_heads.json"},
+     "tensor_parallel_size=2 is invalid: the model's 3 key/value heads do not divide by it; use a "
+     "divisor of 3"),
+    ({"tensor_parallel_size": 2, "model_config": "TOY/gpt2.json"},
+     "tensor_parallel_size=2 is invalid: model_type 'gpt2' has no tensor-parallel plan in "
+     "transformers; use a LLaMA/Qwen2-style model, or size 1"),
+    # moving average of the weights
+    ({"ema_beta": 1.0}, "ema_beta=1.0 is invalid: use a decay in [0, 1), e.g. 0.999 (0: off)"),
+    ({"save_ema": True}, "save_ema=True is invalid: there is no moving average to export; set "
+                         "--ema_beta too"),
     # QLoRA
     ({"load_in_4bit": True}, "load_in_4bit=True is invalid: 4-bit weights do not train; add "
                              "--lora_rank R (QLoRA)"),
@@ -290,3 +303,95 @@ def test_preference_trainers_refuse_settings_before_process_group(toy, monkeypat
     with pytest.raises(StrategyError) as err:
         load_example(script)(_argv({**_base(toy), **change}))
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"temperature": 0}, "temperature=0.0 is invalid: use a positive temperature, e.g. 1.0"),
+    ({"top_p": 0}, "top_p=0.0 is invalid: use a probability in (0, 1]"),
+    ({"top_p": 1.5}, "top_p=1.5 is invalid: use a probability in (0, 1]"),
+    ({"top_k": -1}, "top_k=-1 is invalid: use 0 (all tokens) or a positive count"),
+    ({"clip_eps": 1.0}, "clip_eps=1.0 is invalid: use a value in (0, 1), e.g. 0.2"),
+    ({"clip_eps": 0}, "clip_eps=0.0 is invalid: use a value in (0, 1), e.g. 0.2"),
+], ids=["temperature=0", "top_p=0", "top_p=1.5", "top_k=-1", "clip_eps=1", "clip_eps=0"])
+def test_grpo_sampling_and_clip_out_of_range(toy, monkeypatch, change, message):
+    from strategy.trainers.run import Run
+    from tests.support.helpers import forbid_process_group
+
+    forbid_process_group(monkeypatch)
+    reward = {"reward_fn": "strategy.demos.toy_task:reversal_reward"}
+    with pytest.raises(ConfigError) as err:
+        Run.from_args(_argv({**_base(toy), **reward, **change}), grpo=True)
+    assert str(err.value) == message
+
+
+def test_slurm_without_master_addr(toy, monkeypatch):
+    """Under srun (Slurm's task variables, no RANK) the rendezvous address must be exported."""
+    from strategy.trainers.run import Run
+    from tests.support.helpers import forbid_process_group
+
+    forbid_process_group(monkeypatch, world_size=None)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # recorded, so whatever from_slurm sets is undone
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    with pytest.raises(ConfigError) as err:
+        Run.from_args(_argv(_base(toy)))
+    assert str(err.value) == ("MASTER_ADDR=None is invalid: under srun export MASTER_ADDR (the "
+                              "first node's address) and MASTER_PORT before launching")
+
+
+def test_best_metric_that_evaluation_does_not_report():
+    """Checked at the first save: the metric best-K retention ranks by must be one evaluation
+    reports (here only ``loss``)."""
+    from types import SimpleNamespace
+
+    from strategy.checkpoint import CheckpointConfig
+    from strategy.trainers.loop.trainer import Trainer
+
+    ckpt = CheckpointConfig(ckpt_path="unused", keep_best_ckpt=2, best_metric="accuracy")
+    trainer = SimpleNamespace(strategy=SimpleNamespace(checkpoint=ckpt), eval_dataloader=[],
+                              global_step=4, last_eval=(4, {"loss": 1.5}))
+    with pytest.raises(ConfigError) as err:
+        Trainer._checkpoint_metric(trainer)
+    assert str(err.value) == ("best_metric='accuracy' is invalid: evaluation reports ['loss']; "
+                              "pick one")
+    trainer.strategy.checkpoint = CheckpointConfig(ckpt_path="unused", keep_best_ckpt=2)
+    assert Trainer._checkpoint_metric(trainer) == 1.5  # the metric it does report ranks
+
+
+def test_cpu_adam_without_offload_on_an_accelerator(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from strategy.optim import factory
+
+    monkeypatch.setattr(factory, "get_accelerator",
+                        lambda: SimpleNamespace(device_name=lambda: "cuda"))
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(2))], "weight_decay": 0.0}]
+    with pytest.raises(ConfigError) as err:
+        factory.build_optimizer(groups, offload=False, lr=1e-3, betas=(0.9, 0.99), eps=1e-8,
+                                name="cpu_adam")
+    assert str(err.value) == ("optimizer='cpu_adam' is invalid: DeepSpeedCPUAdam steps CPU "
+                              "tensors only; set --adam_offload, or use fused_adam or hybrid_adam")
+
+
+def test_train_batch_size_larger_than_the_dataset(toy):
+    """Known once the data is read (after the process group starts): checked before any loader."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from strategy.trainers.config import DataConfig
+    from strategy.trainers.data.spec import SFT
+
+    run = SimpleNamespace(
+        data=DataConfig(dataset=f"{toy}/d.jsonl"),
+        tokenizer=AutoTokenizer.from_pretrained(f"{toy}/tok"),
+        strategy=SimpleNamespace(config=SimpleNamespace(train_batch_size=2,
+                                                        micro_train_batch_size=1)))
+    with pytest.raises(ConfigError) as err:
+        SFT.loaders(run)
+    assert str(err.value) == (f"train_batch_size=2 is invalid: larger than the 1 training samples "
+                              f"in {toy}/d.jsonl; lower it or add data")
