@@ -123,7 +123,15 @@ def sdpa_varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: i
 
 def attention_for(name: str, packing: bool) -> str:
     """The attention a run loads: ``sdpa_varlen`` for packed rows on sdpa (transformers' sdpa
-    would attend densely over the whole packed row), the name asked for otherwise."""
+    would attend densely over the whole packed row), the name asked for otherwise.
+
+    Args:
+        name: the attention implementation asked for (``--attn_implementation``).
+        packing: whether the run trains packed rows (``--packing_samples``).
+
+    Returns:
+        The ``attn_implementation`` to load the model with.
+    """
     return VARLEN if packing and name == "sdpa" else name
 
 

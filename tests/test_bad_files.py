@@ -100,11 +100,10 @@ def test_offline_export_without_config_json(tmp_path):
     assert _export(str(ckpt), out, "--config_dir", str(missing)) == (
         f"python -m strategy.export: error: config_dir={str(missing)!r} is invalid: no "
         f"config.json in {missing}" + fix)
-    # without --config_dir: both places looked in are named (the value shown is not pinned here:
-    # it reads 'None', quoted, today)
+    # without --config_dir: both places looked in are named
     line = _export(str(ckpt), out)
-    assert line.startswith("python -m strategy.export: error: config_dir=")
-    assert line.endswith(f" is invalid: no config.json in {tag}, {ckpt}" + fix), line
+    assert line == ("python -m strategy.export: error: config_dir=None is invalid: no config.json "
+                    f"in {tag}, {ckpt}" + fix), line
     assert "\n" not in line and not (tmp_path / "hf").exists()
 
 

@@ -57,7 +57,8 @@ def find_metadata_dir(ckpt_dir: Path, tag: str, config_dir: Path | None) -> Path
     for directory in candidates:
         if (directory / "config.json").is_file():
             return directory
-    raise ConfigError(f"config_dir={str(config_dir)!r} is invalid: no config.json in "
+    shown = str(config_dir) if config_dir else None
+    raise ConfigError(f"config_dir={shown!r} is invalid: no config.json in "
                       f"{', '.join(map(str, candidates))}; pass --config_dir with the model's "
                       "config.json (and adapter_config.json for a LoRA run)")
 

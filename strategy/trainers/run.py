@@ -216,7 +216,11 @@ class Run:
 
     def attention(self) -> dict:
         """``from_pretrained``'s attention for this run's data: ``--attn_implementation``, with
-        sdpa's per-sample variant (``sdpa_varlen``) for packed rows."""
+        sdpa's per-sample variant (``sdpa_varlen``) for packed rows.
+
+        Returns:
+            ``{"attn_implementation": name}``, to pass to ``from_pretrained``.
+        """
         name = attention_for(self.model_cfg.attn_implementation, self.data.packing_samples)
         return {"attn_implementation": name}
 
