@@ -74,8 +74,39 @@ def barrier() -> None:
         torch_dist.barrier()
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out by itself (Linux's ``ip_local_port_range``)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low, high = (int(v) for v in fh.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A free TCP port for a rendezvous, below the kernel's ephemeral range: the kernel never
+    numbers a socket there by itself (binding port 0 and closing it gave a port that gloo's own
+    connections could take before the launcher bound it), each process starts at its own offset,
+    and one process is never given the same port twice."""
+    low, _ = _ephemeral_range()
+    first, count = 10000, max(low - 10000, 0)
+    start = os.getpid() * 7919 % count if count else 0
+    for step in range(count):
+        port = first + (start + step) % count
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    with socket.socket() as sock:  # no such range here: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

@@ -219,16 +219,18 @@ def test_fp16_refused_where_deepspeed_cannot_train_it(toy, monkeypatch):
 def test_a_bad_flag_is_one_line_without_a_traceback(tmp_path, flags, message):
     """What a person sees from a launched script: one line naming the field, exit status != 0."""
     import os
-    import subprocess
     import sys
 
+    from strategy.dist import free_port
+    from tests.support.helpers import run_job
+
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     (tmp_path / "train.jsonl").write_text('{"input": "ab=", "output": "ba"}\n')
-    proc = subprocess.run(
+    proc = run_job(
         [sys.executable, "examples/train_sft.py", "--model_config", "configs/tiny_llama.json",
          "--tokenizer", "strategy/demos", "--dataset", str(tmp_path / "train.jsonl"), *flags],
-        capture_output=True, text=True, timeout=120, env=env)
+        120, env=env)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if message in line]

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import random
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
-from tests.support.helpers import gathered_state, make_strategy
+from tests.support.helpers import gathered_state, kill_group, make_strategy
 from tests.support.models import VOCAB, tiny_gpt2, tiny_llama
 
 STEPS = 8  # optimizer steps of the uninterrupted run; the interrupted one stops after STEPS // 2
@@ -440,21 +442,34 @@ def _start_worker(ckpt_dir: str, max_saves: int | None = None,
            "PAUSE_AT": pause_at or ""}
     env.pop("LOCAL_SIZE", None)
     args = [sys.executable, WORKER, ckpt_dir] + ([str(max_saves)] if max_saves else [])
-    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    proc.lines = queue.Queue()  # read by a thread, so a silent worker cannot block past a deadline
+
+    def pump() -> None:
+        for line in proc.stdout:
+            proc.lines.put(line)
+        proc.lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return proc
 
 
 def _read_until(proc: subprocess.Popen, prefix: str, log: list[str], timeout: float = 240) -> list:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
+    while True:
+        try:
+            line = proc.lines.get(timeout=max(deadline - time.monotonic(), 0))
+        except queue.Empty:
+            kill_group(proc)
+            raise AssertionError(f"no {prefix!r} within {timeout}s (worker killed):\n"
+                                 + "".join(log[-40:])) from None
+        if line is None:
             raise AssertionError(f"worker exited ({proc.wait()}) before {prefix!r}:\n"
                                  + "".join(log[-40:]))
         log.append(line)
         if line.startswith(prefix):
             return line.split()[1:]
-    raise AssertionError(f"no {prefix!r} within {timeout}s")
 
 
 @pytest.mark.slow
@@ -476,17 +491,20 @@ def test_killed_save_leaves_last_complete_checkpoint(tmp_path):
             seen.add(marker)
             left_partial = os.path.isdir(staging) and bool(os.listdir(staging))
         finally:
-            proc.kill()
+            kill_group(proc)
             proc.wait()
         expected = in_flight if in_flight_complete else done
         if marker != "before_files":
             assert left_partial or marker == "published", f"{marker}: nothing was staged?"
     assert seen == {name for name, _ in MARKERS}, f"markers never reached: {seen}"
     proc = _start_worker(ckpt, max_saves=2)
-    resumed = int(_read_until(proc, "RESUMED", log)[0])
-    assert resumed == expected, f"resumed step {resumed}, expected {expected}"
-    _read_until(proc, "DONE", log)
-    assert proc.wait(timeout=60) == 0
+    try:
+        resumed = int(_read_until(proc, "RESUMED", log)[0])
+        assert resumed == expected, f"resumed step {resumed}, expected {expected}"
+        _read_until(proc, "DONE", log)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        kill_group(proc)
     assert os.listdir(staging) == [], "the partial directory of a killed save was not cleaned"
     kept = sorted(n for n in os.listdir(ckpt) if n.startswith("global_step"))
     assert len(kept) == 2 and f"global_step{resumed + 2}" in kept, kept

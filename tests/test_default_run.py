@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 
 import pytest
 
 from strategy.dist import free_port
+from tests.support.helpers import run_job
 
 
 @pytest.mark.slow
@@ -23,9 +23,7 @@ def test_default_run_learns_and_reload_agrees(tmp_path):
         "MASTER_PORT": str(free_port()),
         "MIN_ACCURACY": "0.5",
     }
-    proc = subprocess.run(
-        ["bash", "examples/run_default.sh"], env=env, capture_output=True, text=True, timeout=600
-    )
+    proc = run_job(["bash", "examples/run_default.sh"], 600, env=env)
     tail = proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, tail
     acc = float(re.search(r"held-out exact-match accuracy: ([\d.]+)%", proc.stdout).group(1))

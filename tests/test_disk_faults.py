@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.support.helpers import make_strategy
+from tests.support.helpers import make_strategy, run_job
 from tests.support.models import tiny_llama
 
 
@@ -201,11 +201,7 @@ def test_offline_export_of_a_save_ckpt_checkpoint(ranks, tmp_path):
     from transformers import AutoModelForCausalLM
 
     ranks.run(save_for_corruption, str(tmp_path / "ckpt"))
-    proc = subprocess.run(
-        [os.sys.executable, "-m", "strategy.export", str(tmp_path / "ckpt"), str(tmp_path / "hf")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_job([os.sys.executable, "-m", "strategy.export", str(tmp_path / "ckpt"),
+                    str(tmp_path / "hf")], 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.hidden_size == 32

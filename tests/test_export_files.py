@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 
 from strategy.atomic_fs import atomic_directory
 from strategy.export.shards import ShardWriter, TensorSpec, parse_size, plan_shards
+from tests.support.helpers import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,14 +129,8 @@ print("save finished")
 
 def _kill_save(point: str, n: int, out: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", WORLD_SIZE="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, point, str(n), str(out)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_job([sys.executable, "-c", CHILD, point, str(n), str(out)], 120, env=env,
+                   cwd=ROOT)
     assert proc.returncode == -signal.SIGKILL, (
         f"child was not killed ({proc.returncode}): {proc.stderr[-2000:]}"
     )

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 
 import pytest
 
-from tests.support.helpers import torchrun_command
+from tests.support.helpers import run_job, torchrun_command
 from tests.support.ranks import shm_buffers
 
 SCRIPT = "tests/scripts/fault_train.py"
@@ -25,7 +24,7 @@ def toy(tmp_path_factory):
 
 def _job(
     toy, out: str, *flags: str, timeout: float = 180
-) -> tuple[subprocess.CompletedProcess, float]:
+) -> subprocess.CompletedProcess:
     args = [
         "--zero_stage",
         "2",
@@ -56,18 +55,17 @@ def _job(
     ]
     cmd = torchrun_command(SCRIPT, *args, *flags)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
-    start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_job(cmd, timeout, env=env)  # a hang fails here, its ranks killed
     for path in shm_buffers():  # torchrun sets no LOCAL_SIZE, so there should be none; never leak
         os.unlink(path)
-    return proc, time.monotonic() - start
+    return proc
 
 
 @pytest.mark.slow
 def test_rank_raising_stops_everyone_and_names_it(toy):
-    proc, seconds = _job(toy, "raise", "--fault", "raise", "--fault_rank", "1", "--fault_step", "3")
+    proc = _job(toy, "raise", "--fault", "raise", "--fault_rank", "1", "--fault_step", "3")
     err = proc.stderr
-    assert proc.returncode != 0 and seconds < 120, err[-3000:]
+    assert proc.returncode != 0, err[-3000:]
     assert "[strategy] rank 1 of 2 failed: ValueError: injected failure on rank 1" in err, err[
         -3000:
     ]
@@ -76,7 +74,7 @@ def test_rank_raising_stops_everyone_and_names_it(toy):
 
 @pytest.mark.slow
 def test_killed_rank_then_resume_completes(toy):
-    proc, seconds = _job(
+    proc = _job(
         toy,
         "kill",
         "--fault",
@@ -88,11 +86,11 @@ def test_killed_rank_then_resume_completes(toy):
         "--save_steps",
         "2",
     )
-    assert proc.returncode != 0 and seconds < 120, proc.stderr[-3000:]
+    assert proc.returncode != 0, proc.stderr[-3000:]
     assert "DONE" not in proc.stdout
     ckpts = sorted(os.listdir(toy / "kill" / "ckpt"))
     assert "global_step4" in ckpts and "global_step6" not in ckpts, ckpts
-    proc, _ = _job(toy, "kill", "--save_steps", "2", "--load_checkpoint")
+    proc = _job(toy, "kill", "--save_steps", "2", "--load_checkpoint")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (
         "resumed" in proc.stdout and "at step 4" in proc.stdout and "DONE step=8" in proc.stdout
@@ -104,8 +102,8 @@ def test_killed_rank_then_resume_completes(toy):
 def test_nan_on_one_rank_stops_every_rank_and_rank_0_names_the_step(toy):
     """Only rank 1's loss turns NaN: the step's loss is reduced over ranks before the check, so
     rank 0 stops too (no hang in its next collective) and says which step."""
-    proc, seconds = _job(toy, "nan", "--fault", "nan", "--fault_rank", "1", "--fault_step", "3")
-    assert proc.returncode != 0 and seconds < 120, proc.stderr[-3000:]
+    proc = _job(toy, "nan", "--fault", "nan", "--fault_rank", "1", "--fault_step", "3")
+    assert proc.returncode != 0, proc.stderr[-3000:]
     want = "rank 0 of 2 failed: NonFiniteLossError: non-finite training loss (nan) at step 3"
     assert want in proc.stderr, proc.stderr[-3000:]
     assert "DONE" not in proc.stdout
@@ -118,7 +116,7 @@ def test_fp16_overflow_steps_are_skipped_and_counted(toy):
     loss scaler, counted as skipped_steps in the metrics, and training goes on."""
     import json
 
-    proc, _ = _job(
+    proc = _job(
         toy, "fp16", "--fp16", "--no-bf16", "--learning_rate", "1e3", "--logging_steps", "1"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 PROBE = '''
@@ -52,3 +53,45 @@ def test_ci_turns_capability_skips_into_failures_and_hangs_time_out(tmp_path):
     assert "FAILED test_probe.py::test_hangs - Failed: Timeout" in ci, ci
     assert "FAILED test_probe.py::test_on_gpu" not in ci, ci  # GPU-marked: still skipped
     assert "2 failed, 1 passed, 1 skipped" in ci, ci
+
+
+def test_a_job_past_its_timeout_dies_with_its_whole_process_group(tmp_path):
+    """``run_job`` (every launched test job) kills what the job started too, as a launcher's
+    ranks, then fails naming the command."""
+    import pytest
+
+    from tests.support.helpers import run_job
+
+    pid_file = tmp_path / "child.pid"
+    # the child's output goes elsewhere, so only a group kill ends it (not the pipe closing)
+    script = f"sleep 300 > /dev/null 2>&1 & echo $! > {pid_file}; wait"
+    with pytest.raises(AssertionError, match="still running after 1 s"):
+        run_job(["bash", "-c", script], 1)
+    child = int(pid_file.read_text())
+    for _ in range(50):  # SIGKILL is delivered at once; reaping by init may take a moment
+        if not Path(f"/proc/{child}").exists() or "Z" in _state(child):
+            break
+        time.sleep(0.1)
+    assert not Path(f"/proc/{child}").exists() or "Z" in _state(child), "the child outlived it"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_free_ports_avoid_the_ephemeral_range_repeats_and_taken_ports():
+    import socket
+
+    from strategy.dist import _ephemeral_range, free_port
+
+    low, high = _ephemeral_range()
+    first = free_port()
+    with socket.socket() as held:  # the port free_port would try next is taken
+        held.bind(("", first + 1))
+        held.listen()
+        second = free_port()
+    assert second not in (first, first + 1)
+    assert all(not low <= port <= high for port in (first, second)), (first, second, low)

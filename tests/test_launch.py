@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from strategy.dist import free_port
-from tests.support.helpers import torchrun_command
+from tests.support.helpers import run_job, torchrun_command
 from tests.support.ranks import shm_buffers
 
 PROBE = "tests/scripts/launch_probe.py"
@@ -20,7 +19,7 @@ PROBE = "tests/scripts/launch_probe.py"
 def _run(cmd: list[str], port: int, timeout: float = 240, extra_env: dict | None = None,
          ) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", **(extra_env or {})}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_job(cmd, timeout, env=env)
     # lines may interleave
     pattern = r"RESULT rank=(\d+) world=(\d+) stage=(\d) loss=([\d.]+) shm_left=(True|False)"
     keys = ("rank", "world", "stage", "loss", "shm_left")
@@ -64,13 +63,8 @@ def test_torchrun_and_single_process():
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
-    proc = subprocess.run(
-        [sys.executable, PROBE, "--zero_stage", "1"],
-        env={**env_free, "PYTHONPATH": os.getcwd()},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = run_job([sys.executable, PROBE, "--zero_stage", "1"], 240,
+                   env={**env_free, "PYTHONPATH": os.getcwd()})
     assert proc.returncode == 0 and "RESULT rank=0 world=1 stage=1" in proc.stdout, proc.stderr[
         -3000:
     ]

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from strategy.dist import free_port
+from tests.support.helpers import kill_group, run_job
 
 SCRIPT = "tests/scripts/fault_train.py"
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
@@ -41,7 +42,8 @@ def _flags(toy, name: str, stage: int, *extra: str) -> list[str]:
             "--dataset", f"{toy}/data/train.jsonl", "--eval_dataset", f"{toy}/data/test.jsonl",
             "--learning_rate", "1e-3", "--max_steps", "6", "--save_steps", "2",
             "--logging_steps", "1", "--seed", "7", "--ckpt_path", f"{out}/ckpt",
-            "--save_path", f"{out}/model", "--log_dir", f"{out}/logs", *extra]
+            "--save_path", f"{out}/model", "--log_dir", f"{out}/logs",
+            "--timeout_minutes", "2", *extra]  # a rank waiting on a killed one gives up
 
 
 def _env() -> dict:
@@ -50,7 +52,7 @@ def _env() -> dict:
 
 def one_node(flags: list[str]) -> subprocess.CompletedProcess:
     cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), SCRIPT, *flags]
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    return run_job(cmd, TIMEOUT_S, env=_env())
 
 
 def two_nodes(toy, flags: list[str], private: dict[str, list[str]] | None = None,
@@ -69,16 +71,16 @@ def two_nodes(toy, flags: list[str], private: dict[str, list[str]] | None = None
             cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
                    f'{mounts} && exec "$@"', "sh", *cmd]
         procs.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+                                      stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
     out = []
-    for proc in procs:
-        try:
+    try:
+        for proc in procs:
             stdout, _ = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise
-        out.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, ""))
+            out.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, ""))
+    finally:  # a hang, or ranks a launcher left: both nodes' whole process groups
+        for proc in procs:
+            kill_group(proc)
     return out
 
 

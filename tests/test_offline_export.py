@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.helpers import gathered_state, make_strategy
+from tests.support.helpers import gathered_state, make_strategy, run_job
 from tests.support.models import tiny_gpt2, tiny_llama, token_batches
 from tests.test_save_model import check_shards, reference_model, tiny_tokenizer, train_steps
 
@@ -25,14 +25,8 @@ def export_process(*args: str) -> subprocess.CompletedProcess:
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
-    return subprocess.run(
-        [sys.executable, "-m", "strategy.export", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=dict(env, PYTHONPATH=str(ROOT)),
-    )
+    return run_job([sys.executable, "-m", "strategy.export", *args], 180, cwd=ROOT,
+                   env=dict(env, PYTHONPATH=str(ROOT)))
 
 
 def run_export(*args: str) -> str:

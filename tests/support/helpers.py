@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+
 import torch
 
 
@@ -85,3 +89,30 @@ def torchrun_command(script: str, *args: str, port: int | None = None) -> list[s
 
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
             "--master_port", str(port or free_port()), script, *args]
+
+
+def run_job(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in a process group of its own: on
+    ``timeout`` every process of the job (a launcher's ranks too) is killed, then the test fails
+    naming the command and the output's tail, instead of leaving ranks behind."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{' '.join(map(str, cmd[:6]))}... still running after {timeout} s "
+                             f"(killed with its process group):\n{(stdout + stderr)[-3000:]}"
+                             ) from None
+    finally:
+        kill_group(proc)  # a launcher that returned may leave ranks behind
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL every process in ``proc``'s process group (started with ``start_new_session``)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
