@@ -140,6 +140,9 @@ def test_first_update_and_exact_resume(ranks, toy):
     assert resumed["final"] == full[0]["final"]
     again = load_file(toy / "full" / "model_ema" / "model.safetensors")  # EMA restored exactly
     assert all(torch.equal(again[k], averaged[k]) for k in averaged)
+    policy = load_file(toy / "full" / "model" / "model.safetensors")  # and the policy's export
+    assert policy.keys() == current.keys()
+    assert all(torch.equal(policy[k], current[k]) for k in current)
 
 
 def greedy_tokens(root: str, stage: int) -> list[list[int]]:
