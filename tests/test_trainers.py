@@ -115,10 +115,11 @@ def sft_and_rm(stage: int, toy: str) -> dict:
     }
 
 
-def _direct_rm_accuracy(trainer, path: str) -> float:
-    """Score every held-out pair one at a time on every rank (all ranks enter ZeRO-3's gathers)."""
+def _direct_rm_accuracy(trainer, path: str) -> tuple[float, float]:
+    """Score every held-out pair one at a time on every rank (all ranks enter ZeRO-3's gathers):
+    accuracy and the mean Bradley-Terry loss ``-log sigmoid(chosen - rejected)``."""
     rows = [json.loads(line) for line in open(path)]
-    tok, wins = trainer.tokenizer, 0
+    tok, wins, loss = trainer.tokenizer, 0, 0.0
     trainer.model.eval()
     with torch.no_grad():
         for r in rows:
@@ -135,7 +136,8 @@ def _direct_rm_accuracy(trainer, path: str) -> float:
                 for text in (r["chosen"], r["rejected"])
             ]
             wins += scores[0] > scores[1]
-    return wins / len(rows)
+            loss -= torch.nn.functional.logsigmoid(torch.tensor(scores[0] - scores[1])).item()
+    return wins / len(rows), loss / len(rows)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -146,8 +148,10 @@ def test_sft_and_reward_model_learn(ranks, toy, stage):
     assert sum(rm[-3:]) / 3 < sum(rm[:3]) / 3, f"RM loss did not fall: {rm}"
     assert rm[0] == pytest.approx(math.log(2), abs=0.1)  # untrained rewards are ~equal
     assert out["rm_eval"]["accuracy"] > 0.6
-    # the trainer's rank-reduced eval accuracy equals scoring every pair directly
-    assert out["rm_eval"]["accuracy"] == pytest.approx(out["rm_direct"], abs=1e-6)
+    # the trainer's rank-reduced eval accuracy and loss equal scoring every pair alone
+    accuracy, loss = out["rm_direct"]
+    assert out["rm_eval"]["accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    assert out["rm_eval"]["loss"] == pytest.approx(loss, rel=1e-5), (out["rm_eval"], loss)
     assert os.path.isfile(toy / str(stage) / "sft" / "logs" / "metrics.jsonl")
     assert os.path.isfile(toy / str(stage) / "rm" / "model" / "config.json")
 
@@ -206,14 +210,15 @@ def dpo_and_lora(stage: int, toy: str) -> dict:
             "lora": _losses(lora), "trainable": trainable}
 
 
-def _direct_dpo_accuracy(trainer, path: str) -> float:
-    """Each held-out pair alone on every rank: is the chosen reward above the rejected one?"""
+def _direct_dpo_accuracy(trainer, path: str) -> tuple[float, float]:
+    """Each held-out pair alone on every rank: is the chosen reward above the rejected one, and
+    the mean sigmoid DPO loss ``-log sigmoid(beta (margin))``."""
     from strategy.trainers import data
     from strategy.trainers.algorithms.dpo import sequence_logps
     from strategy.trainers.config import DataConfig
 
     rows = data.load_pairs(path, trainer.tokenizer, DataConfig(max_len=16))
-    collate, wins = data.collate_pairs(trainer.tokenizer.pad_token_id), 0
+    collate, wins, loss = data.collate_pairs(trainer.tokenizer.pad_token_id), 0, 0.0
     trainer.model.eval()
     with torch.no_grad():
         for row in rows:
@@ -222,7 +227,9 @@ def _direct_dpo_accuracy(trainer, path: str) -> float:
             reference = sequence_logps(trainer.ref_model, batch)
             rewards = policy - reference
             wins += bool(rewards[0] > rewards[1])
-    return wins / len(rows)
+            margin = trainer.dpo.beta * (rewards[0] - rewards[1])
+            loss -= torch.nn.functional.logsigmoid(margin.float()).item()
+    return wins / len(rows), loss / len(rows)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -236,7 +243,9 @@ def test_dpo_and_lora_sft_learn(ranks, toy, stage):
     assert sum(dpo[-3:]) / 3 < 0.8 * math.log(2), f"DPO loss did not fall: {dpo}"
     assert out["dpo_eval"]["reward_accuracy"] > 0.6 and out["dpo_eval"]["reward_margin"] > 0
     # 29 held-out pairs over 2 ranks and eval batches of 8: the exact figure, every pair once
-    assert out["dpo_eval"]["reward_accuracy"] == pytest.approx(out["dpo_direct"], abs=1e-6)
+    accuracy, loss = out["dpo_direct"]
+    assert out["dpo_eval"]["reward_accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    assert out["dpo_eval"]["loss"] == pytest.approx(loss, rel=1e-5), (out["dpo_eval"], loss)
     assert out["trainable"] and all("lora_" in n for n in out["trainable"])
     assert sum(out["lora"][-3:]) < sum(out["lora"][:3]), out["lora"]
     assert os.path.isfile(toy / str(stage) / "lora" / "model" / "adapter_model.safetensors")
