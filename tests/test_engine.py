@@ -43,7 +43,7 @@ def _reference(init, batches, accum, world, micro, grouped=True):
         eps=1e-8,
     )
     sched = create_scheduler(opt, "cosine_with_min_lr", num_training_steps=STEPS, warmup_ratio=0.25)
-    losses, lrs, norms = [], [], []
+    losses, lrs, norms, micro_losses = [], [], [], []
     for k in range(STEPS):
         parts = [
             ref(input_ids=x, labels=x).loss
@@ -51,6 +51,7 @@ def _reference(init, batches, accum, world, micro, grouped=True):
             for r in range(world)
             for x in [_micro(batches, k, a, r, world, micro)]
         ]
+        micro_losses.append([p.item() for p in parts])  # [a * world + r]
         loss = torch.stack(parts).mean()
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
@@ -59,7 +60,8 @@ def _reference(init, batches, accum, world, micro, grouped=True):
         opt.zero_grad()
         losses.append(loss.item())
         lrs.append(opt.param_groups[0]["lr"])
-    return losses, lrs, {n: p.detach().clone() for n, p in ref.named_parameters()}, norms
+    final = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    return losses, lrs, final, norms, micro_losses
 
 
 def train_vs_reference(stage: int, bf16: bool, offload: bool) -> dict:
@@ -72,7 +74,7 @@ def train_vs_reference(stage: int, bf16: bool, offload: bool) -> dict:
     engine = s.prepare((model, optimizer, s.create_scheduler(optimizer, num_training_steps=STEPS)))
     init = gathered_state(engine)
     batches = token_batches(1, micro * accum * world) * STEPS  # fixed data: loss must fall
-    losses, lrs, norms = [], [], []
+    losses, lrs, norms, local = [], [], [], []
     for k in range(STEPS):
         step = []
         for a in range(accum):
@@ -81,6 +83,7 @@ def train_vs_reference(stage: int, bf16: bool, offload: bool) -> dict:
             s.backward(loss, engine)
             s.optimizer_step(engine)
             step.append(loss.item())
+        local.append(step)  # this rank's own micro-batch losses, before any reduction
         losses.append(s.all_reduce(sum(step) / accum))
         lrs.append(engine.get_lr()[0])
         norms.append(s.get_grad_norm(engine))
@@ -91,8 +94,12 @@ def train_vs_reference(stage: int, bf16: bool, offload: bool) -> dict:
     both = s.all_gather(flat[None])
     assert torch.equal(both[0], both[1]), "parameters differ between ranks"
 
-    ref_losses, ref_lrs, ref_final, ref_norms = _reference(init, batches, accum, world, micro)
+    ref_losses, ref_lrs, ref_final, ref_norms, ref_micro = _reference(init, batches, accum,
+                                                                      world, micro)
     rtol = BF16_RTOL if bf16 else FP32_RTOL
+    mine = [[ref_micro[k][a * world + s.rank] for a in range(accum)] for k in range(STEPS)]
+    assert [v for row in local for v in row] == pytest.approx(
+        [v for row in mine for v in row], rel=rtol), (s.rank, local, mine)
     assert lrs == pytest.approx(ref_lrs, rel=1e-6), (lrs, ref_lrs)
     assert losses == pytest.approx(ref_losses, rel=rtol), (losses, ref_losses)
     assert losses[-1] < losses[0], f"loss did not fall: {losses}"
@@ -111,7 +118,7 @@ def _check_weights_and_no_decay(final, ref_final, init, batches, accum, world, m
         torch.testing.assert_close(
             value, ref_final[name], rtol=1e-3, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
         )
-    _, _, all_decay, _ = _reference(init, batches, accum, world, micro, grouped=False)
+    _, _, all_decay, _, _ = _reference(init, batches, accum, world, micro, grouped=False)
     _, no_decay = split_decay_params(AutoModelForCausalLM.from_config(tiny_llama()))
     assert no_decay, "tiny llama must have norm weights"
     for name, _ in no_decay:
