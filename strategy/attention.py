@@ -78,15 +78,16 @@ def _per_sample(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
     return torch.cat(outputs)[inverse].view(rows, width, heads, -1)
 
 
-_last_plan: list = [None, None]  # (position ids, plan): every layer of a forward gets the same ids
+_last_plan: tuple = (None, 0, None)  # (position ids, rows, plan): a forward's layers share ids
 
 
 def _plan_for(position_ids: torch.Tensor, rows: int) -> list[tuple[int, torch.Tensor]] | None:
     """``sample_plan`` once per forward (one host sync, not one per layer); Ulysses gathers new
     ids for every layer, which are planned afresh."""
-    if _last_plan[0] is not position_ids or _last_plan[1][0] != rows:
-        _last_plan[:] = [position_ids, (rows, sample_plan(position_ids, rows))]
-    return _last_plan[1][1]
+    global _last_plan
+    if _last_plan[0] is not position_ids or _last_plan[1] != rows:
+        _last_plan = (position_ids, rows, sample_plan(position_ids, rows))
+    return _last_plan[2]
 
 
 def sdpa_varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
