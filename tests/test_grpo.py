@@ -60,22 +60,13 @@ def test_grpo_token_losses_by_hand():
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-    )
+    from transformers import AutoModelForSequenceClassification
 
-    from strategy.demos.toy_task import make
     from strategy.trainers.run import hf_config
+    from tests.support.helpers import toy_root
 
     root = tmp_path_factory.mktemp("grpo")
-    make(str(root / "data"), n_train=45, n_test=13)  # 45 prompts: 5 rollouts of 8, 5 left over
-    tok = AutoTokenizer.from_pretrained(str(root / "data" / "tokenizer"))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", tok))
-    model.save_pretrained(root / "init")
-    tok.save_pretrained(root / "init")
+    tok = toy_root(root, n_train=45, n_test=13, model_dir="init")  # 5 rollouts of 8, 5 left
     torch.manual_seed(1)  # a reward model: the same backbone family, one output
     scorer = AutoModelForSequenceClassification.from_config(
         hf_config("configs/tiny_llama.json", tok, num_labels=1))

@@ -38,11 +38,8 @@ RATES = {"train_rm": "9e-6", "train_dpo": "5e-7"}
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     """Local copies of the datasets and model the scripts name, in their layouts."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from strategy.demos.toy_task import make
-    from strategy.trainers.run import hf_config
+    from tests.support.helpers import save_tiny_llama
     from tests.support.tokenizers import checkpoint_like_tokenizer
 
     root = tmp_path_factory.mktemp("hub")
@@ -61,10 +58,7 @@ def hub(tmp_path_factory):
             str(root / name / "data" / "train-00000-of-00001.parquet"))
     tok = checkpoint_like_tokenizer(str(root / "model"))
     tok.pad_token = tok.eos_token
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", tok)).save_pretrained(
-        root / "model")
-    tok.save_pretrained(root / "model")
+    save_tiny_llama(tok, root / "model")
     return root
 
 

@@ -17,18 +17,10 @@ RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from strategy.demos.toy_task import make
-    from strategy.trainers.run import hf_config
+    from tests.support.helpers import toy_root
 
     root = tmp_path_factory.mktemp("parallel")
-    make(str(root / "data"), n_train=96, n_test=13)
-    tok = AutoTokenizer.from_pretrained(str(root / "data" / "tokenizer"))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", tok))
-    model.save_pretrained(root / "init")
-    tok.save_pretrained(root / "init")
+    toy_root(root, n_train=96, n_test=13, model_dir="init")
     return root
 
 

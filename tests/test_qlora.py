@@ -17,18 +17,10 @@ import torch
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from strategy.demos.toy_task import make
-    from strategy.trainers.run import hf_config
+    from tests.support.helpers import toy_root
 
     root = tmp_path_factory.mktemp("qlora")
-    make(str(root / "data"), n_train=200, n_test=13)
-    tok = AutoTokenizer.from_pretrained(str(root / "data" / "tokenizer"))
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", tok)).save_pretrained(
-        root / "base")
-    tok.save_pretrained(root / "base")
+    toy_root(root, n_train=200, n_test=13, model_dir="base")
     return root
 
 

@@ -13,19 +13,10 @@ import torch
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from strategy.demos.toy_task import make
-    from strategy.trainers.run import hf_config
+    from tests.support.helpers import toy_root
 
     root = tmp_path_factory.mktemp("configs")
-    make(str(root / "data"), n_train=512, n_test=16)  # packed 8-to-a-row, still > 2 batches
-    tok = AutoTokenizer.from_pretrained(str(root / "data" / "tokenizer"))
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", tok)).save_pretrained(
-        root / "model"
-    )
-    tok.save_pretrained(root / "model")
+    toy_root(root, n_train=512, n_test=16, model_dir="model")  # packed 8 a row, > 2 batches
     return root
 
 

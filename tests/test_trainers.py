@@ -13,19 +13,10 @@ import torch
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """Toy reversal data, a char tokenizer and a saved initial model (for DPO's reference)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from strategy.demos.toy_task import make
-    from strategy.trainers.run import hf_config
+    from tests.support.helpers import toy_root
 
     root = tmp_path_factory.mktemp("toy")
-    make(str(root / "data"), n_train=256, n_test=29)  # 29 held out: divides by neither 2 nor 8
-    tok = AutoTokenizer.from_pretrained(str(root / "data" / "tokenizer"))
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", tok)).save_pretrained(
-        root / "init"
-    )
-    tok.save_pretrained(root / "init")
+    toy_root(root, n_train=256, n_test=29, model_dir="init")  # 29: divides by neither 2 nor 8
     return root
 
 

@@ -116,3 +116,29 @@ def kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def save_tiny_llama(tokenizer, path) -> None:
+    """A fresh tiny LLaMA (``configs/tiny_llama.json`` sized to ``tokenizer``, torch seed 0) and
+    the tokenizer, saved in ``path``: a ``--pretrain`` directory for runs."""
+    from transformers import AutoModelForCausalLM
+
+    from strategy.trainers.run import hf_config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", tokenizer)
+                                     ).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def toy_root(root, n_train: int, n_test: int, model_dir: str):
+    """The toy reversal task's data in ``root/data`` and ``save_tiny_llama`` in
+    ``root/model_dir``; returns the task's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from strategy.demos.toy_task import make
+
+    make(str(root / "data"), n_train=n_train, n_test=n_test)
+    tokenizer = AutoTokenizer.from_pretrained(str(root / "data" / "tokenizer"))
+    save_tiny_llama(tokenizer, root / model_dir)
+    return tokenizer
