@@ -30,6 +30,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from strategy.errors import fail
+
 VARLEN = "sdpa_varlen"
 
 
@@ -120,6 +122,15 @@ def sdpa_varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: i
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                      q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
                      **kwargs)
+
+
+def check_attention(name: str) -> None:
+    """Refuse an attention name transformers would reject after the ranks start (a hub kernel,
+    ``org/repo``, is left to transformers)."""
+    known = ["eager", *AttentionInterface().valid_keys()]
+    if name not in known and "/" not in name:
+        fail("attn_implementation", name, f"no such attention kernel; use one of "
+             f"{', '.join(sorted(known))}")
 
 
 def attention_for(name: str, packing: bool) -> str:

@@ -116,6 +116,8 @@ CASES = [
     ({"sequence_parallel_size": 2, "model_config": "TOY/gpt2.json"},
      "sequence_parallel_size=2 is invalid: model_type 'gpt2' (sliding window None) is not "
      "supported"),
+    ({"attn_implementation": "sdpa_varln"}, "attn_implementation='sdpa_varln' is invalid: no "
+                                            "such attention kernel; use one of eager, "),
     ({"sequence_parallel_size": 2, "model_config": "TOY/three_kv_heads.json"},
      "sequence_parallel_size=2 is invalid: the model's 3 key/value heads neither divide by it"),
     ({"packing_samples": True, "model_config": "TOY/opt.json"},

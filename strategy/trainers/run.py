@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from strategy import dist
-from strategy.attention import attention_for
+from strategy.attention import attention_for, check_attention
 from strategy.checkpoint import CheckpointConfig, RunLayout, check_resumable
 from strategy.config import StrategyConfig, parse_configs
 from strategy.deepspeed_strategy import DeepSpeedStrategy
@@ -355,6 +355,7 @@ def check_model(model: ModelConfig, lora: LoraConfig, data_cfg: DataConfig,
                 strategy: StrategyConfig, train: TrainConfig | None = None) -> None:
     """What the model's config decides, before any rank starts: LoRA targets (on a weightless
     meta-device copy), packing, sequence parallelism, an attention kernel that is installed."""
+    check_attention(model.attn_implementation)
     if model.attn_implementation == "flash_attention_2" and not importlib.util.find_spec(
             "flash_attn"):
         raise ConfigError("attn_implementation='flash_attention_2' is invalid: the flash-attn "
