@@ -7,14 +7,12 @@ import contextlib
 import os
 import queue
 import random
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 import torch
 
+from tests.support.forked import Forked, forked
 from tests.support.helpers import gathered_state, kill_group, make_strategy
 from tests.support.models import VOCAB, tiny_gpt2, tiny_llama
 
@@ -434,28 +432,22 @@ MARKERS = [("before_files", False), ("mid_shard", False), ("shards_done", False)
 
 
 def _start_worker(ckpt_dir: str, max_saves: int | None = None,
-                  pause_at: str | None = None) -> subprocess.Popen:
+                  pause_at: str | None = None) -> Forked:
+    """The worker's ``main`` in a forked child of this process (its own session, one rank)."""
+    import importlib.util
+
     from strategy.dist import free_port
 
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+    spec = importlib.util.spec_from_file_location("ckpt_worker", WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
            "PAUSE_AT": pause_at or ""}
-    env.pop("LOCAL_SIZE", None)
-    args = [sys.executable, WORKER, ckpt_dir] + ([str(max_saves)] if max_saves else [])
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    proc.lines = queue.Queue()  # read by a thread, so a silent worker cannot block past a deadline
-
-    def pump() -> None:
-        for line in proc.stdout:
-            proc.lines.put(line)
-        proc.lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    return proc
+    return forked(worker.main, ckpt_dir, max_saves or 10**9, env=env)
 
 
-def _read_until(proc: subprocess.Popen, prefix: str, log: list[str], timeout: float = 240) -> list:
+def _read_until(proc: Forked, prefix: str, log: list[str], timeout: float = 240) -> list:
     deadline = time.monotonic() + timeout
     while True:
         try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +12,7 @@ import torch
 
 from strategy.atomic_fs import atomic_directory
 from strategy.export.shards import ShardWriter, TensorSpec, parse_size, plan_shards
-from tests.support.helpers import run_job
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.forked import run_forked
 
 
 def test_parse_size():
@@ -100,39 +97,45 @@ def test_atomic_directory_keeps_earlier_export_on_error(tmp_path):
 
 
 # ------------------------------------------------------------------ a save killed part way
-CHILD = """
-import os, signal, sys, torch
-from transformers import AutoModelForCausalLM
-import strategy.atomic_fs as afs, strategy.export.save as ex, strategy.export.shards as sh
-from tests.support.models import tiny_llama
+def _save_then_die(point: str, n: int, out: str) -> None:
+    """In a forked child: save the export, SIGKILLed at ``point`` (after ``n`` tensors for
+    ``write``)."""
+    from transformers import AutoModelForCausalLM
 
-point, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-torch.manual_seed(2)
-model = AutoModelForCausalLM.from_config(tiny_llama())
-die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
-if point == "write":
-    orig, count = sh.ShardWriter.write, [0]
-    def write(self, name, t):
-        count[0] += 1
-        if count[0] > n:
-            die()
-        orig(self, name, t)
-    sh.ShardWriter.write = write
-elif point == "metadata":
-    ex.write_export_metadata = die
-elif point == "publish":
-    afs.publish_dir = die
-ex.save_model(model, None, out, max_shard_size="20KB")
-print("save finished")
-"""
+    import strategy.atomic_fs as afs
+    import strategy.export.save as ex
+    import strategy.export.shards as sh
+    from tests.support.models import tiny_llama
+
+    torch.manual_seed(2)
+    model = AutoModelForCausalLM.from_config(tiny_llama())
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "write":
+        orig, count = sh.ShardWriter.write, [0]
+
+        def write(self, name, t):
+            count[0] += 1
+            if count[0] > n:
+                die()
+            orig(self, name, t)
+
+        sh.ShardWriter.write = write
+    elif point == "metadata":
+        ex.write_export_metadata = die
+    elif point == "publish":
+        afs.publish_dir = die
+    ex.save_model(model, None, out, max_shard_size="20KB")
+    print("save finished")
 
 
 def _kill_save(point: str, n: int, out: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", WORLD_SIZE="1")
-    proc = run_job([sys.executable, "-c", CHILD, point, str(n), str(out)], 120, env=env,
-                   cwd=ROOT)
-    assert proc.returncode == -signal.SIGKILL, (
-        f"child was not killed ({proc.returncode}): {proc.stderr[-2000:]}"
+    child = run_forked(_save_then_die, point, n, str(out), timeout=120,
+                       env={"RANK": "0", "WORLD_SIZE": "1"})
+    assert child.returncode == -signal.SIGKILL, (
+        f"child was not killed ({child.returncode}): {child.text()[-2000:]}"
     )
 
 
