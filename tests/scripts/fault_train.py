@@ -47,13 +47,13 @@ def kill_in_save(rank: int, fault_rank: int, fault_step: int) -> None:
     save.publish = killing_publish
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fault", default="none",
                         choices=["none", "raise", "kill", "nan", "kill_in_save"])
     parser.add_argument("--fault_rank", type=int, default=1)
     parser.add_argument("--fault_step", type=int, default=3)
-    with Run.from_args(None, parser) as run:
+    with Run.from_args(argv, parser) as run:
         if run.args.fault == "kill_in_save":
             kill_in_save(run.strategy.rank, run.args.fault_rank, run.args.fault_step)
         trainer = run.trainer(FaultySFT, run.model())

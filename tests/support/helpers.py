@@ -53,14 +53,19 @@ def make_strategy(
     return strategy
 
 
-def load_example_module(name: str) -> dict:
-    """The globals of ``examples/<name>.py``, loaded by path (examples are scripts, not a
-    package)."""
+def load_script(path: str, run_name: str | None = None) -> dict:
+    """The globals of the script at ``path`` (relative to the repository), loaded by path
+    (examples and test scripts are scripts, not a package)."""
     import runpy
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
-    return runpy.run_path(str(path), run_name=f"example_{name}")
+    full = Path(__file__).resolve().parents[2] / path
+    return runpy.run_path(str(full), run_name=run_name or f"script_{full.stem}")
+
+
+def load_example_module(name: str) -> dict:
+    """The globals of ``examples/<name>.py``."""
+    return load_script(f"examples/{name}.py", run_name=f"example_{name}")
 
 
 def load_example(name: str):
