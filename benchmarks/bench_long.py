@@ -3,7 +3,8 @@
 data (padding-free packing vs padded batches vs transformers' Trainer padded and flattened).
 
 python benchmarks/bench_long.py memory [--budget_gb 3.0] [--sizes 1 2]
-python benchmarks/bench_long.py throughput [--rounds 3] [--steps 8]
+python benchmarks/bench_long.py throughput [--rounds 3] [--steps 8] [--nproc 2]
+    [--attention sdpa|flash_attention_2] [--ours_only]
 
 memory: one job per setting (sp 1/2 x tiled on/off), the same model (LLaMA, hidden 256, 4
 layers, vocabulary 32000, fp32, ZeRO-2); each job trains one step per sequence length, growing
@@ -19,7 +20,10 @@ flattened rows with the block-diagonal mask transformers builds from their posit
 padded rows from the same right-padding collator as ours), and once more flattened on our
 ``sdpa_varlen``, so the kernel's share and the loop's share of the gain are told apart.
 Targets: packed >= 1.5x padded, >= 1.5x transformers' DataCollatorWithFlattening, and >= 1.3x
-transformers' Trainer with padded batches.
+transformers' Trainer with padded batches. On one GPU: ``--nproc 1`` (NCCL puts one rank on a
+GPU; the global batch stays the same, by accumulation), ``--attention flash_attention_2`` for our
+two ways where flash-attn is installed (packed rows then take its varlen path), ``--ours_only``
+for our packed and padded ways alone.
 """
 
 from __future__ import annotations
@@ -143,17 +147,21 @@ def mixed_rows(count: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def throughput(rounds: int, steps: int) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+def throughput(rounds: int, steps: int, nproc: int = 2, attention: str = "sdpa",
+               ours_only: bool = False) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_port", "29790", __file__, "throughput_job", "--rounds", str(rounds),
-               "--steps", str(steps)]
+               "--steps", str(steps), "--attention", attention]
+    command += ["--ours_only"] if ours_only else []
     subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
 
 
-def throughput_job(rounds: int, steps: int) -> None:
-    """Inside torchrun: the five ways in turns, each with the micro batch that gives it about
-    2048 positions per micro-batch (4 padded rows of <= 512, one packed row of <= 2048, or 8
-    flattened rows of 264 tokens on average)."""
+def throughput_job(rounds: int, steps: int, attention: str = "sdpa",
+                   ours_only: bool = False) -> None:
+    """Inside torchrun: the five ways in turns (our two alone with ``ours_only``), each with the
+    micro batch that gives it about 2048 positions per micro-batch (4 padded rows of <= 512, one
+    packed row of <= 2048, or 8 flattened rows of 264 tokens on average); our ways on
+    ``attention`` (packed rows on its per-sample form)."""
     from common import run_ours, run_theirs, spread
     from transformers import DataCollatorWithFlattening, LlamaConfig
 
@@ -167,11 +175,14 @@ def throughput_job(rounds: int, steps: int) -> None:
     model_config = LlamaConfig(**values)
     flatten = DataCollatorWithFlattening(return_position_ids=True)
     varlen = attention_for("sdpa", True)
-    ways = {"ours, padded": ("ours", rows, sft_data.collate_sft(0), 4, "sdpa"),
-            "ours, packed (sdpa_varlen)": ("ours", packed, packing.collate_packed(0), 1, varlen),
+    ours = attention_for(attention, True)
+    ways = {"ours, padded": ("ours", rows, sft_data.collate_sft(0), 4, attention),
+            f"ours, packed ({ours})": ("ours", packed, packing.collate_packed(0), 1, ours),
             "transformers, padded": ("theirs", rows, sft_data.collate_sft(0), 4, "sdpa"),
             "transformers, DataCollatorWithFlattening": ("theirs", rows, flatten, 8, "sdpa"),
             "transformers, flattening + our sdpa_varlen": ("theirs", rows, flatten, 8, varlen)}
+    if ours_only:
+        ways = dict(list(ways.items())[:2])
     figures = {name: [] for name in ways}
     skip = 2
     for round_number in range(rounds + 1):  # round 0 warms every way up
@@ -189,12 +200,14 @@ def throughput_job(rounds: int, steps: int) -> None:
                 figures[name].append(run)
     for name, values in figures.items():
         strategy.print(f"{name:<42}: {spread(values)} useful tokens/s")
-    ours = figures["ours, packed (sdpa_varlen)"]
+    packed_figures = figures[f"ours, packed ({ours})"]
     for other, target in (("ours, padded", 1.5),
                           ("transformers, DataCollatorWithFlattening", 1.5),
                           ("transformers, padded", 1.3),
                           ("transformers, flattening + our sdpa_varlen", None)):
-        ratios = [a / b for a, b in zip(ours, figures[other])]  # per round, side by side
+        if other not in figures:
+            continue
+        ratios = [a / b for a, b in zip(packed_figures, figures[other])]  # per round, paired
         aim = f"; target >= {target}x" if target else "; the same attention kernel"
         strategy.print(f"packed / {other:<42}: {statistics.median(ratios):.2f}x "
                        f"(per round {min(ratios):.2f}-{max(ratios):.2f}{aim})")
@@ -210,6 +223,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2],
                         help="memory: the sequence-parallel sizes to probe")
+    parser.add_argument("--nproc", type=int, default=2, help="throughput: ranks (1 on one GPU)")
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flash_attention_2"],
+                        help="throughput: our ways' attention (packed: its per-sample form)")
+    parser.add_argument("--ours_only", action="store_true",
+                        help="throughput: our packed and padded ways only")
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
     if args.mode == "memory":
@@ -217,9 +235,9 @@ def main() -> None:
     elif args.mode == "probe":
         probe(args.sp, bool(args.tiled), args.budget_gb * 1e9)
     elif args.mode == "throughput":
-        throughput(args.rounds, args.steps)
+        throughput(args.rounds, args.steps, args.nproc, args.attention, args.ours_only)
     else:
-        throughput_job(args.rounds, args.steps)
+        throughput_job(args.rounds, args.steps, args.attention, args.ours_only)
 
 
 if __name__ == "__main__":
