@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from strategy.errors import fail
@@ -58,6 +57,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: int, dropout: float, target_m
     Raises:
         ConfigError: a target module is no linear layer of ``model``.
     """
+    from peft import LoraConfig, get_peft_model  # LoRA runs only (peft imports bitsandbytes)
+
     targets = check_targets(model, target_modules)
     lora_config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
                              target_modules=targets, task_type=task_type,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from typing import Any, Callable
 
 import torch
-from peft import PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations import HfDeepSpeedConfig
@@ -84,7 +84,10 @@ class ModelFactory:
 
 
 def is_peft_model(module: nn.Module) -> bool:
-    return isinstance(module, PeftModel)
+    """Whether ``module`` is a PEFT model; peft (and the bitsandbytes it imports, ~1 s) is loaded
+    only by runs that use it, and no module is a ``PeftModel`` before peft is imported."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(module, peft.PeftModel)
 
 
 def active_adapter(peft_model: nn.Module) -> str:

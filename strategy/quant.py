@@ -14,7 +14,6 @@ import importlib.util
 from typing import Any
 
 import torch
-from peft import prepare_model_for_kbit_training
 from torch import nn
 from transformers import BitsAndBytesConfig
 
@@ -75,6 +74,8 @@ def prepare_four_bit(model: nn.Module, gradient_checkpointing: bool) -> nn.Modul
     Returns:
         The prepared model, ready for ``apply_lora``.
     """
+    from peft import prepare_model_for_kbit_training  # 4-bit runs only (peft loads bnb, ~1 s)
+
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
 
 

@@ -22,7 +22,6 @@ from typing import Iterator
 
 import torch
 import transformers
-from peft import PeftConfig, get_peft_model
 from torch import nn
 
 from strategy.atomic_fs import atomic_directory
@@ -75,6 +74,8 @@ def build_skeleton(meta_dir: Path) -> nn.Module:
         else:
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         if (meta_dir / "adapter_config.json").is_file():
+            from peft import PeftConfig, get_peft_model  # adapters only (peft loads bnb, ~1 s)
+
             model = get_peft_model(model, PeftConfig.from_pretrained(str(meta_dir)))
     return model
 

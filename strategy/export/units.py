@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from peft.tuners.lora import LoraLayer
-from peft.utils import ModulesToSaveWrapper, get_peft_model_state_dict
 from torch import nn
 
 from strategy.errors import ConfigError
@@ -99,6 +97,8 @@ def full_units(module: nn.Module, dtype: torch.dtype | None) -> list[Unit]:
 def adapter_units(peft_model: nn.Module, dtype: torch.dtype | None) -> list[Unit]:
     """Only what ``get_peft_model_state_dict`` keeps, found by passing it placeholders: the base
     model's frozen weights are never gathered."""
+    from peft.utils import get_peft_model_state_dict  # a PEFT model: peft is loaded
+
     real = dict(peft_model.state_dict(keep_vars=True))
     placeholders = {name: torch.empty(0) for name in real}
     owner = {id(v): name for name, v in placeholders.items()}
@@ -119,6 +119,9 @@ def merged_units(peft_model: nn.Module, dtype: torch.dtype | None) -> list[Unit]
 
 def _walk(module: nn.Module, prefix: str, adapter: str, dtype, units: list[Unit],
           seen: set[int]) -> None:
+    from peft.tuners.lora import LoraLayer  # a PEFT model's walk: peft is loaded
+    from peft.utils import ModulesToSaveWrapper  # likewise
+
     if isinstance(module, ModulesToSaveWrapper):
         _walk(module.modules_to_save[adapter], prefix, adapter, dtype, units, seen)
         return

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from transformers.trainer_utils import SchedulerType
+from functools import cache
 
 from strategy.config.fields import doc
 from strategy.errors import fail
 
 OPTIMIZERS = ("fused_adam", "cpu_adam", "hybrid_adam")
 COSINE_ANNEALING_WARMUP = "cosine_annealing_warmup"
-SCHEDULERS = frozenset({s.value for s in SchedulerType} | {COSINE_ANNEALING_WARMUP})
+
+
+@cache
+def schedulers() -> frozenset[str]:
+    """The schedule names ``lr_scheduler`` takes (transformers' trainer utilities load peft and
+    bitsandbytes, ~1 s: imported when a config is checked, not with the package)."""
+    from transformers.trainer_utils import SchedulerType  # heavy: loads peft and bitsandbytes
+
+    return frozenset({s.value for s in SchedulerType} | {COSINE_ANNEALING_WARMUP})
 
 
 @dataclass(frozen=True)
@@ -43,5 +50,5 @@ class OptimConfig:
             fail("adam_eps", self.adam_eps, "use a small positive epsilon, e.g. 1e-8")
         if self.optimizer not in OPTIMIZERS:
             fail("optimizer", self.optimizer, f"use one of {', '.join(OPTIMIZERS)}")
-        if self.lr_scheduler not in SCHEDULERS:
-            fail("lr_scheduler", self.lr_scheduler, f"use one of {sorted(SCHEDULERS)}")
+        if self.lr_scheduler not in schedulers():
+            fail("lr_scheduler", self.lr_scheduler, f"use one of {sorted(schedulers())}")

@@ -7,7 +7,6 @@ import math
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
-from transformers import get_scheduler
 
 from strategy.optim.config import COSINE_ANNEALING_WARMUP
 
@@ -106,6 +105,8 @@ def create_scheduler(optimizer: torch.optim.Optimizer, name: str = "cosine_with_
         peak = optimizer.param_groups[0].get("initial_lr", optimizer.param_groups[0]["lr"])
         return CosineAnnealingWarmupLR(optimizer, num_training_steps, warmup,
                                        eta_min=min_lr_ratio * peak)
+    from transformers import get_scheduler  # its module loads peft and bitsandbytes (~1 s)
+
     kwargs = {"min_lr_rate": min_lr_ratio} if name == "cosine_with_min_lr" else None
     return get_scheduler(name, optimizer, num_warmup_steps=warmup,
                          num_training_steps=num_training_steps, scheduler_specific_kwargs=kwargs)
