@@ -252,3 +252,30 @@ def test_chat_needs_a_template(tmp_path, tok):
                                            {"role": "assistant", "content": "b"}]}])
     with pytest.raises(ds.DataError, match="row 0: the tokenizer has no chat_template"):
         ds.load_sft(path, plain, DataConfig())
+
+
+def test_step_time_counts_the_time_a_step_takes_to_produce():
+    """A rollout (or loading a batch) is part of its step: the meter times a step from when the
+    loop asks for it (``timed``), not from the start of the update. Sleeping gives a lower bound
+    that holds on any machine."""
+    import time
+
+    from strategy.trainers.loop.throughput import StepMeter
+
+    class OneRank:  # only the reductions the report makes, over a single rank
+        world_size = data_parallel_size = 1
+
+        def all_reduce(self, value, op="mean"):
+            return value
+
+    meter = StepMeter(torch.nn.Linear(2, 2), OneRank())
+
+    def rollouts():
+        for _ in range(2):
+            time.sleep(0.2)
+            yield {}
+
+    for _ in meter.timed(rollouts()):
+        meter.start()  # what train_step does first
+        meter.finish({})
+    assert meter.report()["step_time"] >= 0.2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import resource
 import time
+from typing import Iterable, Iterator
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -52,10 +53,26 @@ class StepMeter:
         self.tokens = self.samples = 0  # this step, this rank
         self.window = {"tokens": 0.0, "samples": 0.0, "seconds": 0.0, "steps": 0}
         self._start = time.perf_counter()
+        self._fetched_at: float | None = None
 
     def start(self) -> None:
-        self._start = time.perf_counter()
+        """A step begins: timed from when ``timed`` asked for its data, else from now."""
+        self._start = self._fetched_at or time.perf_counter()
+        self._fetched_at = None
         self.tokens = self.samples = 0
+
+    def timed(self, steps: Iterable) -> Iterator:
+        """``steps`` as they come, the time each takes to produce (loading its data, an on-policy
+        rollout) counted in that step's time: a rollout is part of the step, not outside it."""
+        it = iter(steps)
+        while True:
+            self._fetched_at = time.perf_counter()
+            try:
+                step = next(it)
+            except StopIteration:
+                self._fetched_at = None
+                return
+            yield step
 
     def count(self, batch: dict) -> None:
         """Tokens (non-padding where a mask says so) and samples of one micro-batch."""

@@ -328,7 +328,7 @@ class Trainer:
                     sampler.set_epoch(epoch)
                 done_in_epoch = 0
             steps = min(plan.steps_per_epoch - done_in_epoch, plan.total_steps - self.global_step)
-            for step in self.train_steps(epoch, steps):
+            for step in self.meter.timed(self.train_steps(epoch, steps)):
                 self.train_step(step, epoch)
             if self.global_step >= plan.total_steps:
                 break
