@@ -196,12 +196,17 @@ def test_offloaded_reference_gives_the_same_logps(ranks, toy):
 
 def model_reward_run(root: str) -> dict:
     """GRPO at ZeRO-3 scored by a reward model (an offloaded eval engine): the scores of some
-    texts of very different lengths, and the run's history."""
+    texts of very different lengths, and the run's history. The update runs the non-default
+    choices (REINFORCE++-baseline advantages whitened over both ranks, the GRPO paper's
+    per-completion mean, DAPO's clip-higher, dual clip, k2 KL): their math is checked in
+    tests/test_advantages.py, here that they run at 2 ranks."""
     from strategy.trainers import GRPOTrainer
     from strategy.trainers.run import Run
 
     argv = _argv(root, "rm_run", zero_stage=3, reward_fn="", reward_pretrain=f"{root}/rm",
-                 ref_offload=True, max_steps=2)
+                 ref_offload=True, max_steps=2, advantage_estimator="reinforce_baseline",
+                 policy_loss_agg="seq_mean_token_mean", clip_eps_high=0.28, dual_clip=3.0,
+                 kl_estimator="k2")
     with Run.from_args([a for a in argv if a != "--reward_fn="], grpo=True) as run:
         reward = run.reward()
         prompts, completions = ["ab=", "abcdef=", "q="], ["ba", "fedcbaxyzxyz", ""]
@@ -228,7 +233,9 @@ def test_reward_model_scores_under_zero3_with_offload(ranks, toy):
     assert len(set(want)) == 3
     assert out[0]["scores"] == pytest.approx(want, abs=1e-5)
     assert [row["step"] for row in out[0]["history"]] == [1, 2]
-    assert all(math.isfinite(row["reward"]) for row in out[0]["history"])
+    assert all(math.isfinite(row["reward"]) and math.isfinite(row["loss"])
+               for row in out[0]["history"])
+    assert out[0]["history"][1]["kl"] > 0  # k2 of the moved policy
 
 
 def bad_reward_run(root: str) -> str:
@@ -272,6 +279,12 @@ CASES = [
                                     "sequences"),
     ({"pretrain": None, "model_config": "configs/tiny_llama.json", "tokenizer": "TOK"},
      "kl_coef=0.1 is invalid: the reference is the --pretrain model"),
+    ({"advantage_estimator": "gae"}, "advantage_estimator='gae' is invalid: GAE needs a value "
+                                     "model (a critic), which GRPO has none of"),
+    ({"policy_loss_agg": "seq_mean"}, "policy_loss_agg='seq_mean' is invalid: use one of "
+                                      "token_mean, seq_mean_token_mean, seq_mean_token_sum_norm"),
+    ({"dual_clip": 0.5}, "dual_clip=0.5 is invalid: use a bound > 1"),
+    ({"kl_estimator": "k4"}, "kl_estimator='k4' is invalid: use one of k1, k2, k3"),
 ]
 
 

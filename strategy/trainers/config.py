@@ -204,6 +204,11 @@ def positive(config: object, *names: str) -> None:
 
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+# on-policy: advantage estimators from outcome rewards (OpenRLHF's names; gae needs a critic),
+# policy-loss aggregations (verl's names) and KL estimators
+OUTCOME_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline")
+POLICY_LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 @dataclass(frozen=True)
@@ -317,6 +322,23 @@ class GRPOConfig:
     top_k: int = doc("GRPO: sample among the k likeliest tokens (0: all; > 0: the log-probs "
                      "stay those of the whole distribution, as in TRL)", 0)
     advantage_eps: float = doc("GRPO: added to a group's reward std before dividing", 1e-4)
+    advantage_estimator: str = doc(
+        "GRPO: advantages from outcome rewards (OpenRLHF's meanings): group_norm (GRPO: less the "
+        "group mean, over its std), dr_grpo (less the group mean), rloo (less the mean of the "
+        "group's others), reinforce (the reward, whitened over the rollout's tokens) or "
+        "reinforce_baseline (less the group mean, whitened)", "group_norm")
+    policy_loss_agg: str = doc(
+        "GRPO: how token losses make the step's loss: token_mean (every completion token of the "
+        "step weighs the same; TRL's dapo), seq_mean_token_mean (each completion's token mean, "
+        "averaged over completions: the GRPO paper) or seq_mean_token_sum_norm (each "
+        "completion's token sum over max_new_tokens, averaged: Dr. GRPO)", "token_mean")
+    clip_eps_low: float | None = doc("GRPO: lower ratio clip, 1 - eps (None: --clip_eps)", None)
+    clip_eps_high: float | None = doc("GRPO: upper ratio clip, 1 + eps (None: --clip_eps; DAPO's "
+                                      "clip-higher: e.g. 0.28)", None)
+    dual_clip: float | None = doc("GRPO: dual-clip PPO bound (> 1) on a negative advantage's "
+                                  "loss, -dual_clip x advantage (None: off)", None)
+    kl_estimator: str = doc("GRPO: the KL penalty's estimator: k1 (logp - ref), k2 ((logp - "
+                            "ref)^2 / 2) or k3 (exp(ref - logp) - (ref - logp) - 1)", "k3")
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -333,6 +355,20 @@ class GRPOConfig:
             fail("kl_coef", self.kl_coef, "use a weight >= 0, e.g. 0.04")
         if not 0 < self.clip_eps < 1:
             fail("clip_eps", self.clip_eps, "use a value in (0, 1), e.g. 0.2")
+        if self.clip_eps_low is not None and not 0 < self.clip_eps_low < 1:
+            fail("clip_eps_low", self.clip_eps_low, "use a value in (0, 1), e.g. 0.2")
+        if self.clip_eps_high is not None and not self.clip_eps_high > 0:
+            fail("clip_eps_high", self.clip_eps_high, "use a positive value, e.g. 0.28")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            fail("dual_clip", self.dual_clip, "use a bound > 1, e.g. 3.0, or leave it unset")
+        if self.advantage_estimator == "gae":
+            fail("advantage_estimator", "gae", "GAE needs a value model (a critic), which GRPO "
+                 f"has none of; use one of {', '.join(OUTCOME_ESTIMATORS)}")
+        for name, allowed in (("advantage_estimator", OUTCOME_ESTIMATORS),
+                              ("policy_loss_agg", POLICY_LOSS_AGGS),
+                              ("kl_estimator", KL_ESTIMATORS)):
+            if getattr(self, name) not in allowed:
+                fail(name, getattr(self, name), f"use one of {', '.join(allowed)}")
         if self.temperature <= 0:
             fail("temperature", self.temperature, "use a positive temperature, e.g. 1.0")
         if not 0 < self.top_p <= 1:

@@ -1,11 +1,17 @@
 """Group relative policy optimization (GRPO) on the shared loop.
 
 A rollout: each rank takes its prompts, samples ``group_size`` completions of each with the policy,
-scores them (a ``module:function`` callable or a reward model), and turns each group's rewards
-into advantages (reward less the group mean, over the group std). Then ``ppo_epochs`` optimizer
-steps, each over the whole rollout: the clipped policy-gradient loss plus ``kl_coef`` times the k3
-KL to a frozen reference, every completion token of the step weighing the same (the loop's
-token-weighted ``normalize``). The first step's log-probs become the "old" ones (ratio 1).
+scores them (a ``module:function`` callable or a reward model), and turns the rewards into one
+advantage per completion (``--advantage_estimator``, OpenRLHF's meanings: by default GRPO's reward
+less the group mean, over the group std; RLOO, Dr. GRPO, REINFORCE++ and its baseline variant, the
+last two whitened over every rank's completion tokens). Then ``ppo_epochs`` optimizer steps, each
+over the whole rollout: the clipped policy-gradient loss (``--clip_eps``, or ``--clip_eps_low`` /
+``--clip_eps_high``, optionally ``--dual_clip``) plus ``kl_coef`` times a KL estimate
+(``--kl_estimator``, k3 by default) to a frozen reference, aggregated by ``--policy_loss_agg``:
+every completion token of the step weighing the same (default; the loop's token-weighted
+``normalize``), each completion's token mean averaged over completions (the GRPO paper), or each
+completion's token sum over ``max_new_tokens`` (Dr. GRPO). The first step's log-probs become the
+"old" ones (ratio 1).
 Log-probs (policy and reference) are taken at the sampling temperature: the ratio and the KL are
 those of the distribution the completions were drawn from when ``top_p`` is 1 and ``top_k`` 0
 (the defaults). Truncated sampling (``top_p`` < 1 or ``top_k`` > 0) draws from the renormalized
@@ -43,7 +49,15 @@ from strategy.trainers.config import DataConfig, GRPOConfig, ModelConfig, TrainC
 from strategy.trainers.data import PROMPTS
 from strategy.trainers.data.spec import prompts_per_rank
 from strategy.trainers.loop import Step, StepPlan, Trainer, plan_steps
-from strategy.trainers.losses import IGNORE, group_advantages, grpo_token_losses, token_logps
+from strategy.trainers.losses import (
+    IGNORE,
+    grpo_token_losses,
+    outcome_advantages,
+    token_logps,
+    token_moments,
+    whiten,
+)
+from strategy.trainers.losses.advantages import WHITENED
 
 Reward = Callable[[list[str], list[str], list[dict]], list[float]]
 
@@ -264,7 +278,7 @@ class GRPOTrainer(Trainer):
         prompts = [p for p in batch["prompts"] for _ in range(g)]
         rows = [r for r in batch["rows"] for _ in range(g)]
         rewards = self._score(prompts, completions, self._texts(completions), rows)
-        advantages = group_advantages(rewards, g, self.grpo.advantage_eps)
+        advantages = self._advantages(rewards, completions)
         prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
         micro = self.strategy.config.micro_train_batch_size
         batches = [self._micro_batch(prompt_ids[i:i + micro], completions[i:i + micro],
@@ -286,6 +300,17 @@ class GRPOTrainer(Trainer):
                    "generation_s": (time.perf_counter() - start, 1)}
         return batches, metrics
 
+    def _advantages(self, rewards: torch.Tensor, completions: list[list[int]]) -> torch.Tensor:
+        """One advantage per completion (``advantage_estimator``); the whitened estimators use
+        the moments of every rank's completion tokens, so any world size gives the single-process
+        values."""
+        g = self.grpo
+        out = outcome_advantages(rewards, g.group_size, g.advantage_estimator, g.advantage_eps)
+        if g.advantage_estimator in WHITENED:
+            lengths = torch.tensor([float(len(c)) for c in completions])
+            out = whiten(out, self.strategy.all_reduce(token_moments(out, lengths), op="sum"))
+        return out
+
     def _micro_batch(self, prompts: list[list[int]], completions: list[list[int]],
                      advantages: torch.Tensor, index: int) -> dict:
         pad = self.tokenizer.pad_token_id
@@ -302,7 +327,8 @@ class GRPOTrainer(Trainer):
     def loss_counts(self, batch: dict) -> dict[str, int]:
         if "prompt_ids" in batch:  # evaluation: prompts
             return {"samples": int(batch["prompt_ids"].shape[0])}
-        return {"tokens": int((batch["labels"][:, 1:] != IGNORE).sum())}
+        scored = (batch["labels"][:, 1:] != IGNORE).sum(dim=-1)
+        return {"tokens": int(scored.sum()), "completions": int((scored > 0).sum())}
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
         logp, mask = token_logps(self.model, batch, self.grpo.temperature)  # the sampler's
@@ -310,9 +336,23 @@ class GRPOTrainer(Trainer):
         if key not in self._old_logps:  # the rollout's first update: ratio 1
             self._old_logps[key] = logp.detach()
         ref = batch.get("ref_logp", logp.detach())
-        losses, metrics = grpo_token_losses(logp, self._old_logps[key], ref, batch["advantages"],
-                                            mask, self.grpo.clip_eps, self.grpo.kl_coef)
-        return self.normalize(losses.sum(), "tokens"), metrics
+        g = self.grpo
+        losses, metrics = grpo_token_losses(
+            logp, self._old_logps[key], ref, batch["advantages"], mask,
+            g.clip_eps if g.clip_eps_low is None else g.clip_eps_low, g.kl_coef,
+            clip_eps_high=g.clip_eps if g.clip_eps_high is None else g.clip_eps_high,
+            dual_clip=g.dual_clip, kl_estimator=g.kl_estimator)
+        return self._aggregate(losses, mask), metrics
+
+    def _aggregate(self, losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's share of the step's policy loss (``policy_loss_agg``)."""
+        if self.grpo.policy_loss_agg == "token_mean":
+            return self.normalize(losses.sum(), "tokens")
+        if self.grpo.policy_loss_agg == "seq_mean_token_mean":
+            per_completion = losses.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+        else:  # seq_mean_token_sum_norm: Dr. GRPO's constant length
+            per_completion = losses.sum(dim=-1) / self.grpo.max_new_tokens
+        return self.normalize(per_completion.sum(), "completions")
 
     def train_steps(self, epoch: int, count: int) -> Iterator[Step]:
         """A rollout of the next prompts, trained on for ``ppo_epochs`` optimizer steps.

@@ -1,10 +1,21 @@
-"""The losses: pure formulas of logits, labels and log-probs (``formulas``), and the language-model
-forwards that produce them (``lm``: summed next-token loss, tiled over the vocabulary, per-token
-log-probs).
+"""The losses: pure formulas of logits, labels and log-probs (``formulas``), on-policy
+advantages and returns (``advantages``), and the language-model forwards that produce them
+(``lm``: summed next-token loss, tiled over the vocabulary, per-token log-probs).
 
-May import: ``strategy`` below ``trainers`` and nothing else in ``trainers``.
+May import: ``strategy`` below ``trainers`` and ``trainers.config`` (names of choices), nothing
+else in ``trainers``.
 """
 
+from strategy.trainers.losses.advantages import (
+    ESTIMATORS,
+    OUTCOME_ESTIMATORS,
+    discounted_returns,
+    gae,
+    kl_estimate,
+    outcome_advantages,
+    token_moments,
+    whiten,
+)
 from strategy.trainers.losses.formulas import (
     DPO_LOSSES,
     IGNORE,
@@ -27,7 +38,9 @@ from strategy.trainers.losses.lm import (
     token_logps,
 )
 
-__all__ = ["DPO_LOSSES", "IGNORE", "dpo_loss", "dpo_losses", "forward_inputs",
+__all__ = ["DPO_LOSSES", "ESTIMATORS", "IGNORE", "OUTCOME_ESTIMATORS", "discounted_returns",
+           "dpo_loss", "dpo_losses", "forward_inputs", "gae", "kl_estimate", "outcome_advantages",
+           "token_moments", "whiten",
            "group_advantages", "grpo_token_losses", "kto_losses", "last_attended", "orpo_losses",
            "pairwise_losses", "pairwise_metrics", "response_loss", "sequence_scores",
            "simpo_losses", "tiled_loss_sum", "token_logps"]

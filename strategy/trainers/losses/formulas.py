@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from strategy.model import IGNORE_INDEX as IGNORE
+from strategy.trainers.losses.advantages import kl_estimate, outcome_advantages
 
 
 def response_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -129,26 +130,33 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
     """GRPO's advantages: each completion's reward less its group's mean, over the group's
     (unbiased) standard deviation plus ``eps``; a group of equal rewards gets zeros. ``rewards``
-    holds consecutive groups of ``group_size``."""
-    groups = rewards.float().view(-1, group_size)
-    mean, std = groups.mean(dim=1, keepdim=True), groups.std(dim=1, keepdim=True)
-    return ((groups - mean) / (std + eps)).view(-1)
+    holds consecutive groups of ``group_size`` (``outcome_advantages``' ``group_norm``)."""
+    return outcome_advantages(rewards, group_size, "group_norm", eps)
 
 
 def grpo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
                       advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float,
-                      beta: float) -> tuple[torch.Tensor, dict]:
-    """Per-token clipped policy-gradient loss plus ``beta`` times the k3 estimate of
-    KL(policy || reference), ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased), zero where
-    ``mask`` is off; and the KL, the ratio and the clipped fraction as (sum, count) over scored
-    tokens.
-    ``advantages`` has one value per row."""
+                      beta: float, clip_eps_high: float | None = None,
+                      dual_clip: float | None = None, kl_estimator: str = "k3",
+                      ) -> tuple[torch.Tensor, dict]:
+    """Per-token clipped policy-gradient loss plus ``beta`` times an estimate of
+    KL(policy || reference) (``kl_estimate``: k3 by default), zero where ``mask`` is off; and the
+    KL, the ratio and the clipped fraction as (sum, count) over scored tokens.
+
+    The ratio is clipped to ``[1 - clip_eps, 1 + clip_eps_high]`` (``clip_eps_high`` None: the
+    same eps both sides; DAPO raises the upper one). ``dual_clip`` (> 1, dual-clip PPO) bounds a
+    negative advantage's loss at ``-dual_clip * advantage``, as OpenRLHF's ``PolicyLoss``.
+    ``advantages`` has one value per row, or one per token.
+    """
     ratio = torch.exp(logp - old_logp)
-    adv = advantages.unsqueeze(-1)
-    unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
-    gap = ref_logp - logp
-    kl = torch.exp(gap) - gap - 1
-    losses = (-torch.min(unclipped, clipped) + beta * kl) * mask
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + high) * adv
+    objective = torch.min(unclipped, clipped)
+    if dual_clip is not None:
+        objective = torch.where(adv < 0, torch.max(objective, dual_clip * adv), objective)
+    kl = kl_estimate(logp, ref_logp, kl_estimator)
+    losses = (-objective + beta * kl) * mask
     scored = mask.bool()
     was_clipped = (clipped < unclipped)[scored]
     return losses, {"kl": _mean_pair(kl.detach()[scored]),

@@ -1,0 +1,119 @@
+"""Advantages and returns for on-policy training, with OpenRLHF's meanings
+(``openrlhf/trainer/ppo_utils/experience_maker.py``: ``compute_advantages_and_returns``,
+``get_advantages_and_returns``, ``get_cumulative_returns``).
+
+Outcome rewards (one per completion, ``group_size`` consecutive completions per prompt):
+
+- ``group_norm`` (GRPO): reward less its group's mean, over the group's std plus ``eps``.
+- ``dr_grpo`` (Dr. GRPO) and ``reinforce_baseline`` (REINFORCE++-baseline): reward less its
+  group's mean; ``reinforce_baseline`` is then whitened over the rollout.
+- ``rloo``: reward less the mean of the *other* completions of its group.
+- ``reinforce`` (REINFORCE++): the reward itself, whitened over the rollout.
+- ``gae``: needs a value model (PPO's critic): ``gae`` below.
+
+Whitening follows OpenRLHF: the mean and variance over every completion token of the rollout
+(each completion weighs by its length), so the caller sums ``token_moments`` over all ranks and the
+result is the single-process one at any world size. OpenRLHF's group std is ``+ 1e-9``; ours keeps
+``--advantage_eps`` (TRL's 1e-4), so a zero-variance group gives zeros in both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strategy.trainers.config import OUTCOME_ESTIMATORS
+
+ESTIMATORS = ("gae", *OUTCOME_ESTIMATORS)
+WHITENED = ("gae", "reinforce", "reinforce_baseline")
+
+
+def outcome_advantages(rewards: torch.Tensor, group_size: int, estimator: str,
+                       eps: float = 1e-4) -> torch.Tensor:
+    """One advantage per completion from its outcome reward (before any whitening).
+
+    Args:
+        rewards: consecutive groups of ``group_size`` rewards.
+        group_size: completions per prompt.
+        estimator: one of ``OUTCOME_ESTIMATORS``.
+        eps: added to the group std (``group_norm``).
+
+    Returns:
+        The advantages, shaped like ``rewards``.
+    """
+    groups = rewards.float().view(-1, group_size)
+    mean = groups.mean(dim=1, keepdim=True)
+    if estimator == "group_norm":
+        out = (groups - mean) / (groups.std(dim=1, keepdim=True) + eps)
+    elif estimator in ("dr_grpo", "reinforce_baseline"):
+        out = groups - mean
+    elif estimator == "rloo":
+        out = groups - (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+    elif estimator == "reinforce":
+        out = groups
+    else:
+        raise ValueError(f"advantage_estimator={estimator!r}: use one of {OUTCOME_ESTIMATORS}")
+    return out.reshape(-1)
+
+
+def token_moments(values: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
+    """Sums for a token-weighted mean and variance of per-completion ``values``, each counted
+    ``lengths`` times: add them over ranks, then ``whiten``."""
+    values, weights = values.double(), lengths.double()
+    return {"sum": (values * weights).sum().item(), "sq": (values.pow(2) * weights).sum().item(),
+            "n": weights.sum().item()}
+
+
+def whiten(values: torch.Tensor, moments: dict[str, float]) -> torch.Tensor:
+    """``(values - mean) / std`` with the token-weighted moments of the whole rollout (variance
+    clamped at 1e-8, as OpenRLHF)."""
+    n = max(moments["n"], 1.0)
+    mean = moments["sum"] / n
+    var = max(moments["sq"] / n - mean * mean, 1e-8)
+    return ((values.double() - mean) / var ** 0.5).to(values.dtype)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """REINFORCE returns per token: ``G_t = r_t + gamma * G_{t+1}`` over masked ``rewards``
+    (rows x tokens)."""
+    rewards = rewards * mask
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    return returns
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation per token (rows x tokens):
+    ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lambd * A_{t+1}``,
+    returns ``A_t + V_t``; rewards and values are masked first, the value after the last token
+    is 0.
+
+    Returns:
+        ``(advantages, returns)``.
+    """
+    rewards, values = rewards * mask, values * mask
+    steps = rewards.shape[1]
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    advantages = torch.zeros_like(rewards)
+    for t in reversed(range(steps)):
+        following = values[:, t + 1] if t + 1 < steps else torch.zeros_like(running)
+        running = rewards[:, t] + gamma * following - values[:, t] + gamma * lambd * running
+        advantages[:, t] = running
+    return advantages, advantages + values
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's k1,
+    k2, k3; OpenRLHF's ``compute_approx_kl``): k1 ``logp - ref``, k2 ``(logp - ref)^2 / 2``,
+    k3 ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased)."""
+    gap = ref_logp - logp
+    if kind == "k1":
+        return -gap
+    if kind == "k2":
+        return gap.pow(2) / 2
+    if kind == "k3":
+        return torch.exp(gap) - gap - 1
+    raise ValueError(f"kl_estimator={kind!r}: use k1, k2 or k3")

@@ -1,0 +1,106 @@
+"""OpenRLHF's on-policy math, transcribed as pure torch functions for cross-checks.
+
+Source: https://github.com/OpenRLHF/OpenRLHF at ``3c3be623`` ("Cleanup/simplicity tier1 2
+(#1307)"), read from a git snapshot: ``openrlhf/trainer/ppo_utils/experience_maker.py``
+(``compute_advantages_and_returns``: the reward shaping by estimator and the whitening;
+``get_advantages_and_returns``; ``get_cumulative_returns``), ``openrlhf/models/utils.py``
+(``compute_approx_kl``, ``compute_reward``) and ``openrlhf/models/loss.py`` (``PolicyLoss``'s
+surrogate and dual clip, before aggregation). Only ``self``/``args`` plumbing is dropped; the
+arithmetic order is the peer's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def shaped_rewards(rewards: torch.Tensor, n_samples_per_prompt: int,
+                   estimator: str) -> torch.Tensor:
+    """The baseline step of ``compute_advantages_and_returns`` (one reward per sample)."""
+    rewards = rewards.reshape(-1, n_samples_per_prompt)
+    if estimator == "rloo":
+        baseline = (rewards.sum(-1, keepdim=True) - rewards) / (n_samples_per_prompt - 1)
+        rewards = rewards - baseline
+    elif estimator in ["reinforce_baseline", "dr_grpo"]:
+        rewards = rewards - rewards.mean(-1, keepdim=True)
+    elif estimator == "group_norm":
+        rewards = (rewards - rewards.mean(-1, keepdim=True)) / (
+            rewards.std(-1, keepdim=True) + 1e-9)
+    return rewards.reshape(-1)
+
+
+def compute_reward(r: torch.Tensor, kl_coef: float, kl: torch.Tensor,
+                   action_mask: torch.Tensor) -> torch.Tensor:
+    """The sequence reward on its last action token, plus ``-kl_coef * kl`` per token."""
+    kl_reward = -kl_coef * kl
+    eos_indices = action_mask.size(1) - 1 - action_mask.long().fliplr().argmax(dim=1, keepdim=True)
+    last_reward = torch.zeros_like(kl).scatter_(dim=1, index=eos_indices,
+                                                src=r.unsqueeze(1).to(kl.dtype))
+    return last_reward + kl_reward
+
+
+def get_cumulative_returns(rewards: torch.Tensor, action_mask: torch.Tensor,
+                           gamma: float) -> torch.Tensor:
+    response_length = rewards.size(1)
+    returns = torch.zeros_like(rewards)
+    cumulative_return = torch.zeros(rewards.size(0), device=rewards.device)
+    if action_mask is not None:
+        rewards = action_mask * rewards
+    for t in reversed(range(response_length)):
+        cumulative_return = rewards[:, t] + gamma * cumulative_return
+        returns[:, t] = cumulative_return
+    return returns
+
+
+def get_advantages_and_returns(values: torch.Tensor, rewards: torch.Tensor,
+                               action_mask: torch.Tensor, gamma: float, lambd: float):
+    lastgaelam = 0
+    advantages_reversed = []
+    response_length = rewards.size(1)
+    if action_mask is not None:
+        values = action_mask * values
+        rewards = action_mask * rewards
+    for t in reversed(range(response_length)):
+        nextvalues = values[:, t + 1] if t < response_length - 1 else 0.0
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam = delta + gamma * lambd * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    returns = advantages + values
+    return advantages.detach(), returns
+
+
+def whiten(advantages: list[torch.Tensor], action_masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The normalization over all experiences (``no_std_norm`` off)."""
+    all_advantages = torch.cat([a.flatten() for a in advantages], dim=0).float()
+    all_action_masks = torch.cat([m.flatten() for m in action_masks], dim=0)
+    num_actions = all_action_masks.sum()
+    mean = (all_advantages * all_action_masks).sum() / num_actions
+    var = ((all_advantages - mean).pow(2) * all_action_masks).sum() / num_actions
+    rstd = var.clamp(min=1e-8).rsqrt()
+    return [(a - mean) * rstd for a in advantages]
+
+
+def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor,
+                      kl_estimator: str = "k1") -> torch.Tensor:
+    log_ratio = log_probs.float() - log_probs_base.float()
+    if kl_estimator == "k2":
+        log_ratio = log_ratio**2 / 2.0
+    elif kl_estimator == "k3":
+        log_ratio = (-log_ratio).exp() - 1 + log_ratio
+    return log_ratio.clamp(min=-10, max=10)
+
+
+def policy_token_loss(log_probs, old_log_probs, advantages, clip_eps_low, clip_eps_high,
+                      dual_clip=None) -> torch.Tensor:
+    """``PolicyLoss.forward``'s per-token loss (``policy_loss_type="ppo"``), before
+    ``aggregate_loss``."""
+    policy_log_ratio = (log_probs - old_log_probs).clamp(min=-20.0, max=20.0)
+    ratio = policy_log_ratio.exp()
+    surr1 = ratio * advantages
+    surr2 = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high) * advantages
+    if dual_clip is None:
+        return -torch.min(surr1, surr2)
+    clip1 = torch.min(surr1, surr2)
+    clip2 = torch.max(clip1, dual_clip * advantages)
+    return -torch.where(advantages < 0, clip2, clip1)
