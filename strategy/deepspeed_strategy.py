@@ -36,6 +36,14 @@ from strategy.log import get_logger
 from strategy.model import ModelFactory
 from strategy.optim import OptimConfig, build_optimizer, create_scheduler, get_param_groups
 from strategy.parallel import GradNorms, SequenceParallel
+from strategy.rollout import (
+    EngineRollout,
+    GatheredRollout,
+    RolloutEngine,
+    check_fits,
+    free_memory_bytes,
+    is_partitioned,
+)
 from strategy.sampler import ResumableDistributedSampler, ShardSampler
 
 export_log = get_logger("export")
@@ -407,6 +415,27 @@ class DeepSpeedStrategy:
             return None
         self.sequence.install(model, micro_batch_size)
         return self.sequence.mpu
+
+    def rollout_engine(self, engine: Any, gather: str = "full") -> RolloutEngine:
+        """What an on-policy trainer generates with (``strategy.rollout``): under ZeRO-3 with
+        ``gather="full"`` a plain copy of the policy refreshed by one grouped gather per rollout
+        (refused in one line, on every rank, when it would not fit in a rank's free memory);
+        otherwise the engine's own module (ZeRO-3: one gather per layer per token). Collective.
+
+        Args:
+            engine: the policy's engine.
+            gather: ``"full"`` or ``"layer"``.
+
+        Returns:
+            A ``RolloutEngine``: call ``sync()`` after the policy changed, then ``generate``.
+
+        Raises:
+            ConfigError: ``full`` needs more memory than a rank has free.
+        """
+        if gather == "full" and is_partitioned(engine.module):
+            check_fits(engine.module, int(self.all_reduce(float(free_memory_bytes()), op="min")))
+            return GatheredRollout(engine, self.models.build_plain)
+        return EngineRollout(engine, self.config.zero_stage == 3 and self.world_size > 1)
 
     # ------------------------------------------------------------ stepping
     def backward(self, loss: torch.Tensor, engine) -> None:

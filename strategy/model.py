@@ -76,6 +76,17 @@ class ModelFactory:
             else:
                 unset_hf_deepspeed_config()
 
+    def build_plain(self, config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
+        """A whole, unpartitioned model of ``config`` (random weights), built outside any ZeRO-3
+        hook (a generation copy); the hook is restored after."""
+        if self._train_hook is not None:
+            unset_hf_deepspeed_config()
+        try:
+            return build_hf_model(config, None, dtype)
+        finally:
+            if self._train_hook is not None:
+                set_hf_deepspeed_config(self._train_hook)
+
     def close(self) -> None:
         """Drop the training hook, so later single-process loads behave normally."""
         if self._train_hook is not None:

@@ -137,15 +137,21 @@ def test_first_update_and_exact_resume(ranks, toy):
     assert all(torch.equal(policy[k], current[k]) for k in current)
 
 
-def greedy_tokens(root: str, stage: int) -> list[list[int]]:
-    """Greedy completions of this rank's held-out prompts, as the trainer generates them."""
+def greedy_tokens(root: str, stage: int, gather: str = "full") -> dict:
+    """Greedy completions of this rank's held-out prompts, as the trainer generates them, and
+    which rollout engine made them; under ZeRO-3 ``full``, also the refusal a rank with too
+    little free memory gets."""
+    from unittest import mock
+
+    from strategy.errors import ConfigError
     from strategy.trainers import GRPOTrainer
     from strategy.trainers.run import Run
 
-    extra = {"zero_stage": stage}
+    extra = {"zero_stage": stage, "rollout_gather": gather}
     if stage == 3:
         extra["ds_config_overrides"] = json.dumps(
             {"zero_optimization": {"stage3_param_persistence_threshold": 0}})
+    refused = None
     with Run.from_args(_argv(root, f"greedy{stage}", kl_coef=0.0, **extra), grpo=True) as run:
         trainer = run.trainer(GRPOTrainer, run.model(), grpo=run.grpo,
                               reward=run.reward())
@@ -153,16 +159,33 @@ def greedy_tokens(root: str, stage: int) -> list[list[int]]:
         for batch in trainer.eval_dataloader:  # uneven shards: 7 and 6 prompts, 2 calls each
             batch = trainer.to_device(batch)
             out += trainer.generate(batch["prompt_ids"], batch["prompt_mask"], False).tolist()
-    return out
+        if stage == 3 and gather == "full":
+            tight = 10**6 if run.strategy.rank == 1 else 10**12  # 1 MB free on one rank only
+            with mock.patch("strategy.deepspeed_strategy.free_memory_bytes", lambda: tight):
+                try:
+                    run.strategy.rollout_engine(trainer.model, "full")
+                except ConfigError as exc:
+                    refused = str(exc)
+    return {"tokens": out, "engine": type(trainer.rollouts).__name__, "refused": refused}
 
 
 @pytest.mark.slow
 def test_greedy_generation_under_zero3_matches_zero0(ranks, toy):
+    """ZeRO-3's two rollout paths (a gathered copy, per-layer gathers) give ZeRO-0's tokens on
+    uneven held-out shards; the copy is refused on every rank when one rank lacks the memory."""
     plain = ranks.run(greedy_tokens, str(toy), 0)
-    sharded = ranks.run(greedy_tokens, str(toy), 3)
-    assert [len(r) for r in plain] == [7, 6]
-    assert sharded == plain
-    assert len({tuple(t) for r in plain for t in r}) > 1  # not one degenerate answer
+    full = ranks.run(greedy_tokens, str(toy), 3, "full")
+    layer = ranks.run(greedy_tokens, str(toy), 3, "layer")
+    assert [len(r["tokens"]) for r in plain] == [7, 6]
+    assert [r["tokens"] for r in full] == [r["tokens"] for r in plain]
+    assert [r["tokens"] for r in layer] == [r["tokens"] for r in plain]
+    assert len({tuple(t) for r in plain for t in r["tokens"]}) > 1  # not one degenerate answer
+    assert [r["engine"] for r in plain + full + layer] == ["EngineRollout"] * 2 + [
+        "GatheredRollout"] * 2 + ["EngineRollout"] * 2
+    for r in full:  # every rank raises the same line, though only rank 1 is short of memory
+        assert r["refused"].startswith("rollout_gather='full' is invalid: a generation copy of "
+                                       "the policy needs 0.")
+        assert "one rank has 0.00 GB free; use --rollout_gather layer" in r["refused"]
 
 
 def reference_logps(root: str, offload: bool) -> dict:

@@ -36,6 +36,7 @@ LAYERS = {
     "model": 5,
     "parallel": 6,
     "export": 7,
+    "rollout": 7.5,
     "deepspeed_strategy": 8,
     "trainers": 9,
     "demos": 10,

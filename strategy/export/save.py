@@ -56,10 +56,10 @@ def save_model(model: nn.Module, tokenizer: Any, output_dir: str | Path,
     dtype = resolve_dtype(dtype)
     plan = plan_export(module, dtype, max_shard_size, merge_lora)
     sink = _DirSink(Path(output_dir), plan.shards, plan.prefix) if dist.is_rank_0() else _NullSink()
-    owner = _tensor_parallel_owners(module)
+    owner = tensor_parallel_owners(module)
     with sink:
         for group in group_units(plan.units):
-            with _gathered([p for unit in group for p in unit.params], owner):
+            with gathered_params([p for unit in group for p in unit.params], owner):
                 for unit in group:
                     sink.write(unit)
             sink.release()
@@ -93,13 +93,13 @@ def group_units(units: list[Unit]) -> list[list[Unit]]:
     return groups
 
 
-def _tensor_parallel_owners(module: nn.Module) -> dict[int, nn.Module]:
+def tensor_parallel_owners(module: nn.Module) -> dict[int, nn.Module]:
     """The AutoTP layer holding each tensor-parallel parameter (empty without AutoTP)."""
     return {id(param): layer for layer in module.modules()
             for param in layer.parameters(recurse=False) if is_tensor_parallel_param(param)}
 
 
-def _gathered(params: list[nn.Parameter], owner: dict[int, nn.Module]):
+def gathered_params(params: list[nn.Parameter], owner: dict[int, nn.Module]):
     """Whole parameters within the block: ZeRO-3 partitions gathered, AutoTP slices joined."""
     partitioned = [p for p in params if is_zero3_param(p)]
     if partitioned:

@@ -337,6 +337,11 @@ class GRPOConfig:
                                       "clip-higher: e.g. 0.28)", None)
     dual_clip: float | None = doc("GRPO: dual-clip PPO bound (> 1) on a negative advantage's "
                                   "loss, -dual_clip x advantage (None: off)", None)
+    rollout_gather: str = doc(
+        "GRPO under ZeRO-3: full (gather the policy once per rollout into a plain copy that "
+        "generates without collectives; refused when it would not fit in a rank's free memory) "
+        "or layer (DeepSpeed's partitioned forward: one gather per layer per generated token)",
+        "full")
     kl_estimator: str = doc("GRPO: the KL penalty's estimator: k1 (logp - ref), k2 ((logp - "
                             "ref)^2 / 2) or k3 (exp(ref - logp) - (ref - logp) - 1)", "k3")
 
@@ -366,7 +371,8 @@ class GRPOConfig:
                  f"has none of; use one of {', '.join(OUTCOME_ESTIMATORS)}")
         for name, allowed in (("advantage_estimator", OUTCOME_ESTIMATORS),
                               ("policy_loss_agg", POLICY_LOSS_AGGS),
-                              ("kl_estimator", KL_ESTIMATORS)):
+                              ("kl_estimator", KL_ESTIMATORS),
+                              ("rollout_gather", ("full", "layer"))):
             if getattr(self, name) not in allowed:
                 fail(name, getattr(self, name), f"use one of {', '.join(allowed)}")
         if self.temperature <= 0:

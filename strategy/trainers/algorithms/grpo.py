@@ -19,11 +19,12 @@ head of that distribution while the log-probs stay those of the whole one (as in
 else shapes the sampling: the checkpoint's ``generation_config`` (a ``repetition_penalty``,
 ``min_p``...) is set aside while generating.
 
-Generation under ZeRO-3 runs DeepSpeed's own partitioned forward (each layer's parameters
-gathered when it runs and released after; ``synced_gpus`` keeps every rank stepping until all
-ranks' sequences end). Memory stays bounded by ZeRO-3's live-parameter budget however large the
-model, at the cost of one gather per layer per generated token; gathering the whole model once per
-rollout would be faster on small models but needs the whole model on every rank.
+Completions come from the strategy's ``rollout_engine`` (``strategy.rollout``), synced once per
+rollout. Under ZeRO-3, ``--rollout_gather full`` (default) gathers the policy once into a plain
+copy on every rank that generates without collectives (refused before the first step when it
+would not fit in a rank's free memory); ``layer`` runs DeepSpeed's partitioned forward (one gather
+per layer per generated token, ``synced_gpus`` keeping ranks in step), bounded by ZeRO-3's memory
+budget however large the model.
 
 Sampling draws from a generator seeded by (seed, step, rank), so a resumed run samples exactly
 what the uninterrupted one did; checkpoints fall between rollouts (``save_steps`` a multiple of
@@ -159,6 +160,8 @@ class GRPOTrainer(Trainer):
         self.ref_model = strategy.prepare(ref_model) if ref_model is not None else None
         self.per_rank = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size)
         self._old_logps: dict[int, torch.Tensor] = {}  # micro-batch -> first update's log-probs
+        self.rollouts = strategy.rollout_engine(self.model, grpo.rollout_gather)
+        self._synced_at: int | None = None  # the global step the rollout engine's weights are of
 
     # ------------------------------------------------------------ plan and resume
     @classmethod
@@ -221,7 +224,10 @@ class GRPOTrainer(Trainer):
                         pad_token_id=self.tokenizer.pad_token_id)
         if sample:
             settings.update(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
-        module = self.model.module
+        if self._synced_at != self.global_step:  # the policy moved since the last sync
+            self.rollouts.sync()
+            self._synced_at = self.global_step
+        module = self.rollouts.module
         training, hf_model = module.training, base_model(module)
         # generate() fills every unset field from the checkpoint's generation_config (a
         # repetition_penalty or min_p there would reshape the distribution the log-probs do not
@@ -229,10 +235,9 @@ class GRPOTrainer(Trainer):
         saved, hf_model.generation_config = hf_model.generation_config, GenerationConfig()
         module.eval()
         try:
-            out = module.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                  generation_config=GenerationConfig(**settings), use_cache=True,
-                                  synced_gpus=self.strategy.config.zero_stage == 3
-                                  and self.strategy.world_size > 1)
+            out = self.rollouts.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                         generation_config=GenerationConfig(**settings),
+                                         use_cache=True)
         finally:
             hf_model.generation_config = saved
             module.train(training)

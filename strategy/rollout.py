@@ -1,0 +1,107 @@
+"""Where on-policy completions come from: one seam (``RolloutEngine``), two implementations that
+run here.
+
+- ``EngineRollout`` (``--rollout_gather layer``): the training engine's own module generates.
+  Under ZeRO-3 that is DeepSpeed's partitioned forward: every layer's parameters are gathered for
+  each generated token and released after, and ``synced_gpus`` keeps every rank stepping until all
+  ranks' sequences end. Memory stays at ZeRO-3's budget; the cost is a gather per layer per token.
+- ``GatheredRollout`` (``--rollout_gather full``): a plain, unpartitioned copy of the policy on
+  every rank, refreshed once per rollout (``sync``) by the grouped gather the streamed export uses
+  (``plan_export`` units: a LoRA policy's merged weights, tied tensors once, one bounded group of
+  parameters gathered at a time). Generation then runs without collectives, each rank on its own.
+  It needs the whole model on every rank: ``check_fits`` refuses it in one line, on every rank,
+  when the weights exceed a rank's free memory. Below ZeRO-3 the engine's module is already whole,
+  and ``full`` generates with it directly (no copy).
+
+A fast inference engine (vLLM, SGLang) would be a third ``RolloutEngine``: ``sync`` would stream
+the same groups to it (every rank still entering each gather, rank-local tensors handed to the
+engine's weight loader, as ``GatheredRollout.sync`` copies them into its module), and ``generate``
+would call it. None is built here: no code path that cannot run and be tested on these machines.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from torch import nn
+
+from strategy.errors import ConfigError
+from strategy.export.save import gathered_params, group_units, tensor_parallel_owners
+from strategy.export.units import plan_export
+from strategy.internals import full_numel, is_zero3_param
+from strategy.model import base_model, is_peft_model
+
+GATHER_MODES = ("full", "layer")
+
+
+class RolloutEngine(Protocol):
+    """What a trainer generates with: ``sync`` after the policy changed, then ``generate``
+    (``transformers``' ``generate`` arguments); every rank calls both alike."""
+
+    def sync(self) -> None: ...
+
+    def generate(self, **kwargs: Any) -> torch.Tensor: ...
+
+
+class EngineRollout:
+    """The engine's module generates (ZeRO-3: one gather per layer per token, ranks in step)."""
+
+    def __init__(self, engine: Any, zero3_ranks: bool) -> None:
+        self.module, self.synced_gpus = engine.module, zero3_ranks
+
+    def sync(self) -> None:
+        """Nothing to refresh: the engine's own weights generate."""
+
+    def generate(self, **kwargs: Any) -> torch.Tensor:
+        return self.module.generate(synced_gpus=self.synced_gpus, **kwargs)
+
+
+class GatheredRollout:
+    """A plain copy of a ZeRO-3 policy, refreshed by one grouped gather per rollout."""
+
+    def __init__(self, engine: Any, build_plain: Any) -> None:
+        self.source = engine.module
+        template = base_model(self.source)
+        self.module = build_plain(template.config, next(self.source.parameters()).dtype)
+        self.module.to(get_accelerator().current_device_name()).eval()
+        self.module.requires_grad_(False)
+        self._state = self.module.state_dict()
+        self._owner = tensor_parallel_owners(self.source)
+
+    def sync(self) -> None:
+        """Every rank gathers the policy group by group and copies it into its plain module."""
+        plan = plan_export(self.source, None, 2**62, merge_lora=is_peft_model(self.source))
+        for group in group_units(plan.units):
+            with gathered_params([p for unit in group for p in unit.params], self._owner):
+                for unit in group:
+                    for name, tensor in unit.produce().items():
+                        self._state[name].copy_(tensor)
+
+    def generate(self, **kwargs: Any) -> torch.Tensor:
+        return self.module.generate(**kwargs)
+
+
+def full_weight_bytes(module: nn.Module) -> int:
+    """The bytes of ``module``'s parameters once gathered."""
+    return sum(full_numel(p) * p.element_size() for p in module.parameters())
+
+
+def check_fits(module: nn.Module, least_free_bytes: int) -> None:
+    """``full`` needs the whole policy on every rank: refuse it when its weights exceed the
+    least free memory of any rank (the caller reduces it, so every rank raises alike)."""
+    need = full_weight_bytes(module)
+    if need > least_free_bytes:
+        raise ConfigError(f"rollout_gather='full' is invalid: a generation copy of the policy "
+                          f"needs {need / 1e9:.2f} GB on every rank and one rank has "
+                          f"{least_free_bytes / 1e9:.2f} GB free; use --rollout_gather layer")
+
+
+def free_memory_bytes() -> int:
+    """This rank's free accelerator memory (host memory on CPU)."""
+    return int(get_accelerator().available_memory())
+
+
+def is_partitioned(module: nn.Module) -> bool:
+    return any(is_zero3_param(p) for p in module.parameters())
