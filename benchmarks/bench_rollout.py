@@ -1,0 +1,131 @@
+"""Rollout speed at 2 ranks: generated tokens/s for ZeRO-2, ZeRO-3 with the policy gathered once per
+rollout (``--rollout_gather full``) and ZeRO-3 with DeepSpeed's per-layer gathers (``layer``).
+
+python benchmarks/bench_rollout.py [--rounds 5] [--new_tokens 32] [--prompts 16]
+
+Two 2-rank jobs (torchrun): one at ZeRO-2, one at ZeRO-3 in which ``full`` and ``layer`` take
+turns round by round (``full``, ``layer``, ``full``, ...) after one warm-up rollout each. Every
+way generates the same prompts (seeded random ids, the same per rank) greedily with the KV cache
+for exactly ``--new_tokens`` tokens each (no end-of-sequence stop), so each rollout does the same
+work. A rollout's time runs from a barrier before ``sync()`` (``full``'s gather counts) to a
+barrier after ``generate``; tokens/s counts both ranks' generated tokens. Median and spread over
+rounds. Target: ZeRO-3 full >= 3x ZeRO-3 layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MODEL = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+         "vocab_size": 1024, "max_position_embeddings": 512}
+
+
+def rollout_seconds(strategy, rollout, prompts, new_tokens: int) -> tuple[float, float]:
+    import torch
+    from transformers import GenerationConfig
+
+    settings = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    strategy.barrier()
+    start = time.perf_counter()
+    rollout.sync()
+    synced = time.perf_counter() - start
+    with torch.no_grad():
+        out = rollout.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+                               generation_config=settings, use_cache=True)
+    strategy.barrier()
+    assert out.shape[1] == prompts.shape[1] + new_tokens, out.shape
+    return time.perf_counter() - start, synced
+
+
+def job(args) -> None:
+    """One 2-rank job at ``--zero_stage``: each way's rollout seconds per round, as JSON."""
+    import torch
+    from transformers import AutoConfig
+
+    from strategy import DeepSpeedStrategy, OptimConfig, StrategyConfig
+
+    overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    strategy = DeepSpeedStrategy(StrategyConfig(zero_stage=args.zero_stage,
+                                                micro_train_batch_size=1, train_batch_size=2,
+                                                ds_config_overrides=overrides), OptimConfig())
+    strategy.setup_distributed()
+    torch.manual_seed(0)
+    model = strategy.from_pretrained(AutoConfig.for_model(**MODEL))
+    optimizer = strategy.create_optimizer(model)
+    schedule = strategy.create_scheduler(optimizer, num_training_steps=10)
+    engine = strategy.prepare((model, optimizer, schedule))
+    engine.eval()
+    ways = ["full", "layer"] if args.zero_stage == 3 else ["full"]
+    rollouts = {way: strategy.rollout_engine(engine, way) for way in ways}
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, MODEL["vocab_size"], (args.prompts, 16), generator=generator)
+    prompts = prompts.to(engine.device)
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    syncs: dict[str, list[float]] = {way: [] for way in ways}
+    for way in ways:  # warm-up
+        rollout_seconds(strategy, rollouts[way], prompts, args.new_tokens)
+    for _ in range(args.rounds):
+        for way in ways:
+            total, synced = rollout_seconds(strategy, rollouts[way], prompts, args.new_tokens)
+            times[way].append(total)
+            syncs[way].append(synced)
+    if strategy.rank == 0:
+        print("RESULT " + json.dumps({"stage": args.zero_stage, "times": times, "syncs": syncs,
+                                      "engines": {w: type(r).__name__ for w, r in rollouts.items()},
+                                      "tokens": args.prompts * args.new_tokens *
+                                      strategy.world_size}), flush=True)
+    strategy.close()
+
+
+def launch(stage: int, args) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(29600 + stage), __file__, "--job", "--zero_stage", str(stage),
+           "--rounds", str(args.rounds), "--new_tokens", str(args.new_tokens),
+           "--prompts", str(args.prompts)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"ZeRO-{stage} job failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--new_tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per rank")
+    parser.add_argument("--zero_stage", type=int, default=3)
+    parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        return job(args)
+    rates = {}
+    for stage in (2, 3):
+        result = launch(stage, args)
+        for way, seconds in result["times"].items():
+            rates[f"ZeRO-{stage} {way} ({result['engines'][way]})"] = (
+                [result["tokens"] / s for s in seconds], result["syncs"][way])
+        if stage == 3:
+            ratios = [f / lay for f, lay in zip(result["times"]["layer"], result["times"]["full"])]
+    print(f"generated tokens/s, 2 ranks, {args.prompts} prompts x {args.new_tokens} tokens per "
+          f"rank, greedy with KV cache, {args.rounds} rounds (median [min-max]):")
+    for name, (values, syncs) in rates.items():
+        low, high = min(values), max(values)
+        print(f"  {name:<34} {statistics.median(values):8.1f} [{low:.1f}-{high:.1f}]   of which "
+              f"sync {statistics.median(syncs) * 1e3:.0f} ms per rollout")
+    print(f"ZeRO-3 full / layer per round: median {statistics.median(ratios):.2f}x "
+          f"[{min(ratios):.2f}-{max(ratios):.2f}] (target >= 3x)")
+
+
+if __name__ == "__main__":
+    main()
