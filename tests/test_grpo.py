@@ -218,22 +218,24 @@ def test_offloaded_reference_gives_the_same_logps(ranks, toy):
 
 
 def model_reward_run(root: str) -> dict:
-    """GRPO at ZeRO-3 scored by a reward model (an offloaded eval engine): the scores of some
-    texts of very different lengths, and the run's history. The update runs the non-default
+    """GRPO at ZeRO-3 scored by a reward model (an offloaded eval engine) plus 0.5 x the toy
+    reward function: the model's scores of some texts of very different lengths, and the run's
+    history (each reward logged on its own). The update runs the non-default
     choices (REINFORCE++-baseline advantages whitened over both ranks, the GRPO paper's
     per-completion mean, DAPO's clip-higher, dual clip, k2 KL): their math is checked in
     tests/test_advantages.py, here that they run at 2 ranks."""
     from strategy.trainers import GRPOTrainer
     from strategy.trainers.run import Run
 
-    argv = _argv(root, "rm_run", zero_stage=3, reward_fn="", reward_pretrain=f"{root}/rm",
-                 ref_offload=True, max_steps=2, advantage_estimator="reinforce_baseline",
-                 policy_loss_agg="seq_mean_token_mean", clip_eps_high=0.28, dual_clip=3.0,
-                 kl_estimator="k2")
-    with Run.from_args([a for a in argv if a != "--reward_fn="], grpo=True) as run:
+    argv = _argv(root, "rm_run", zero_stage=3, reward_pretrain=f"{root}/rm",
+                 reward_weights="0.5,1.0", ref_offload=True, max_steps=2,
+                 advantage_estimator="reinforce_baseline", policy_loss_agg="seq_mean_token_mean",
+                 clip_eps_high=0.28, dual_clip=3.0, kl_estimator="k2")
+    with Run.from_args(argv, grpo=True) as run:
         reward = run.reward()
         prompts, completions = ["ab=", "abcdef=", "q="], ["ba", "fedcbaxyzxyz", ""]
-        scores = reward(prompts, completions, [{}] * 3)
+        reward(prompts, completions, [{"output": "ba"}] * 3)
+        scores = reward.last["model"]
         reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
         trainer = run.trainer(GRPOTrainer, run.model(), grpo=run.grpo,
                               ref_model=reference, reward=reward)
@@ -259,6 +261,30 @@ def test_reward_model_scores_under_zero3_with_offload(ranks, toy):
     assert all(math.isfinite(row["reward"]) and math.isfinite(row["loss"])
                for row in out[0]["history"])
     assert out[0]["history"][1]["kl"] > 0  # k2 of the moved policy
+    for row in out[0]["history"]:  # the mean of the weighted sum is the weighted sum of means
+        assert row["reward"] == pytest.approx(
+            0.5 * row["reward_reversal_reward"] + row["reward_model"], abs=1e-6)
+
+
+def hanging_reward_run(root: str) -> str:
+    from strategy.errors import StrategyError
+
+    try:
+        train(root, "hang", reward_fn="tests.test_rewards:hanging_on_rank_1", kl_coef=0.0,
+              max_steps=2, reward_timeout=2)
+    except StrategyError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_a_hanging_reward_is_stopped_by_the_timeout_on_every_rank(ranks, toy):
+    messages = ranks.run(hanging_reward_run, str(toy), timeout=120)  # rank 1's worker hangs
+    for message in messages:
+        assert message.startswith("rank 1: DataError: reward_fn='tests.test_rewards:hanging_on_"
+                                  "rank_1' did not return within --reward_timeout=2 s for "
+                                  "prompt "), message
+        assert message.endswith("; fix the function or raise the limit") and "\n" not in message
 
 
 def bad_reward_run(root: str) -> str:
@@ -308,6 +334,14 @@ CASES = [
                                       "token_mean, seq_mean_token_mean, seq_mean_token_sum_norm"),
     ({"dual_clip": 0.5}, "dual_clip=0.5 is invalid: use a bound > 1"),
     ({"kl_estimator": "k4"}, "kl_estimator='k4' is invalid: use one of k1, k2, k3"),
+    ({"reward_weights": "1,2"}, "reward_weights='1,2' is invalid: give one finite weight per "
+                                "reward: 1 (strategy.demos.toy_task:reversal_reward)"),
+    ({"reward_weights": "1,x"}, "reward_weights='1,x' is invalid: write numbers separated by "
+                                "commas"),
+    ({"reward_timeout": -1}, "reward_timeout=-1.0 is invalid: use seconds > 0, or 0"),
+    ({"reward_fn": f"{REWARD},tests.test_rewards:nope"}, "reward_fn='tests.test_rewards:nope' "
+                                                          "is invalid: tests.test_rewards has no "
+                                                          "callable 'nope'"),
 ]
 
 

@@ -3,6 +3,7 @@ LoRA, and each algorithm's own knobs (DPO). All validate on construction."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from strategy.config.fields import check_positive, check_steps, doc
@@ -307,10 +308,17 @@ class GRPOConfig:
 
     group_size: int = doc("GRPO: completions sampled per prompt (G >= 2); train_batch_size counts "
                           "completions, so it is G x prompts per rollout", 8)
-    reward_fn: str | None = doc("GRPO: reward callable 'module:function', called as "
-                                "f(prompt, completion, row) -> float", None)
+    reward_fn: str | None = doc("GRPO: reward callables 'module:function', comma-separated, "
+                                "each called as f(prompt, completion, row) -> float (or, with "
+                                "f.batched = True, f(prompts, completions, rows) -> floats)", None)
     reward_pretrain: str | None = doc("GRPO: reward model directory (AutoModelForSequence"
-                                      "Classification, 1 label) instead of --reward_fn", None)
+                                      "Classification, 1 label), alone or with --reward_fn", None)
+    reward_weights: str | None = doc("GRPO: comma-separated weights of the rewards, in order: "
+                                     "each --reward_fn, then the reward model (default all 1)",
+                                     None)
+    reward_timeout: float = doc("GRPO: seconds a reward function may take per sample (per "
+                                "batch when batched); > 0 runs the functions in a worker "
+                                "process, killed on a hang (0: in the rank, no limit)", 0.0)
     kl_coef: float = doc("GRPO: weight of the k3 KL penalty to the reference model (0: no "
                          "reference at all)", 0.04)
     clip_eps: float = doc("GRPO: policy ratio clip range, 1 +- eps", 0.2)
@@ -345,6 +353,37 @@ class GRPOConfig:
     kl_estimator: str = doc("GRPO: the KL penalty's estimator: k1 (logp - ref), k2 ((logp - "
                             "ref)^2 / 2) or k3 (exp(ref - logp) - (ref - logp) - 1)", "k3")
 
+    def reward_names(self) -> list[str]:
+        """Each reward in weight order.
+
+        Returns:
+            The ``reward_fn`` specs, then ``"model"`` with ``reward_pretrain``.
+        """
+        specs = [part.strip() for part in (self.reward_fn or "").split(",") if part.strip()]
+        return specs + (["model"] if self.reward_pretrain else [])
+
+    def weights(self) -> list[float]:
+        """``reward_weights`` as floats.
+
+        Returns:
+            One weight per reward, in ``reward_names`` order (default 1 each).
+
+        Raises:
+            ConfigError: not numbers, or not one per reward.
+        """
+        count = len(self.reward_names())
+        if self.reward_weights is None:
+            return [1.0] * count
+        try:
+            weights = [float(w) for w in self.reward_weights.split(",")]
+        except ValueError:
+            fail("reward_weights", self.reward_weights, "write numbers separated by commas, "
+                 "e.g. 1.0,0.5")
+        if len(weights) != count or not all(math.isfinite(w) for w in weights):
+            fail("reward_weights", self.reward_weights, f"give one finite weight per reward: "
+                 f"{count} ({', '.join(self.reward_names())})")
+        return weights
+
     def __post_init__(self) -> None:
         if self.group_size < 2:
             fail("group_size", self.group_size, "GRPO compares completions within a group; use "
@@ -353,9 +392,10 @@ class GRPOConfig:
         if self.reward_fn is None and self.reward_pretrain is None:
             fail("reward_fn", None, "name a reward: --reward_fn module:function or "
                  "--reward_pretrain RM_DIR")
-        if self.reward_fn is not None and self.reward_pretrain is not None:
-            fail("reward_pretrain", self.reward_pretrain, "pass --reward_fn or --reward_pretrain, "
-                 "not both")
+        if self.reward_weights is not None:
+            self.weights()
+        if self.reward_timeout < 0:
+            fail("reward_timeout", self.reward_timeout, "use seconds > 0, or 0 for no limit")
         if self.kl_coef < 0:
             fail("kl_coef", self.kl_coef, "use a weight >= 0, e.g. 0.04")
         if not 0 < self.clip_eps < 1:

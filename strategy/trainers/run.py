@@ -37,7 +37,7 @@ from strategy.parallel import check_sequence_parallel, check_tensor_parallel
 from strategy.quant import check_four_bit, four_bit_config, prepare_four_bit
 from strategy.trainers.algorithms.grpo import GRPOConfig, GRPOTrainer
 from strategy.trainers.algorithms.preference import check_reference_source
-from strategy.trainers.algorithms.rewards import CallableReward, ModelReward
+from strategy.trainers.algorithms.rewards import CallableReward, ModelReward, Rewards
 from strategy.trainers.algorithms.sft import TILE_VOCAB
 from strategy.trainers.config import (
     DataConfig,
@@ -231,17 +231,25 @@ class Run:
         return {"quantization_config": four_bit_config(self.strategy.dtype)}
 
     def reward(self):
-        """The GRPO reward: the ``reward_fn`` callable, or the reward model as an eval engine.
+        """The GRPO reward: the weighted sum (``reward_weights``) of the ``reward_fn`` callables
+        and the reward model (an eval engine), each logged on its own.
 
         Returns:
-            A ``reward(prompts, completions, rows) -> floats`` callable.
+            A ``Rewards``: ``reward(prompts, completions, rows) -> floats``.
         """
-        if self.grpo.reward_fn:
-            return CallableReward(self.grpo.reward_fn)
-        model = self.strategy.from_pretrained(self.grpo.reward_pretrain,
-                                              AutoModelForSequenceClassification, frozen=True)
-        tokenizer = AutoTokenizer.from_pretrained(self.grpo.reward_pretrain)
-        return ModelReward(self.strategy.prepare(model), tokenizer, self.data.max_len)
+        grpo, parts = self.grpo, []
+        for name, weight in zip(grpo.reward_names(), grpo.weights()):
+            if name == "model" and grpo.reward_pretrain:
+                model = self.strategy.from_pretrained(grpo.reward_pretrain,
+                                                      AutoModelForSequenceClassification,
+                                                      frozen=True)
+                tokenizer = AutoTokenizer.from_pretrained(grpo.reward_pretrain)
+                scorer = ModelReward(self.strategy.prepare(model), tokenizer, self.data.max_len)
+            else:
+                scorer = CallableReward(name, grpo.reward_timeout)
+                name = scorer.name
+            parts.append((name, scorer, weight))
+        return Rewards(parts)
 
     def loaders(self, spec: Any) -> tuple[Any, Any]:
         """(train, held-out) loaders of the data ``spec`` describes (a trainer's ``data``).

@@ -140,8 +140,9 @@ class GRPOTrainer(Trainer):
             fail("streaming", True, "GRPO's prompts are read whole; drop --streaming")
         check_grpo(configs[StrategyConfig], configs[TrainConfig], grpo,
                    configs[DataConfig].max_len, world_size)
-        if grpo.reward_fn:
-            load_reward_fn(grpo.reward_fn)  # importable and callable, or one line now
+        for spec in grpo.reward_names():
+            if spec != "model":
+                load_reward_fn(spec)  # importable and callable, or one line now
         if grpo.kl_coef > 0 and (model.ref_pretrain or model.pretrain) is None:
             fail("kl_coef", grpo.kl_coef, "the reference is the --pretrain model (or "
                  "--ref_pretrain); pass one or set --kl_coef 0")
@@ -161,6 +162,7 @@ class GRPOTrainer(Trainer):
         self.per_rank = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size)
         self._old_logps: dict[int, torch.Tensor] = {}  # micro-batch -> first update's log-probs
         self.rollouts = strategy.rollout_engine(self.model, grpo.rollout_gather)
+        self._components: dict[str, list[float]] = {}  # the latest rollout's scores by reward
         self._synced_at: int | None = None  # the global step the rollout engine's weights are of
 
     # ------------------------------------------------------------ plan and resume
@@ -262,6 +264,7 @@ class GRPOTrainer(Trainer):
             eos = self.tokenizer.eos_token_id
             args = ([bool(c) and c[-1] == eos for c in completions],)
         rewards = self.strategy.checked(self.reward, prompts, texts, rows, *args)  # every rank
+        self._components = dict(getattr(self.reward, "last", {}))
         return torch.tensor(rewards, dtype=torch.float32)
 
     def rollout(self, batch: dict) -> tuple[list[dict], dict]:
@@ -303,6 +306,9 @@ class GRPOTrainer(Trainer):
         metrics = {"reward": (rewards.sum().item(), rewards.numel()), "reward_std": (std, 1),
                    "completion_length": (float(sum(lengths)), len(lengths)),
                    "generation_s": (time.perf_counter() - start, 1)}
+        if len(self._components) > 1:  # each reward of a weighted sum, on its own
+            metrics.update({f"reward_{name}": (float(sum(scores)), len(scores))
+                            for name, scores in self._components.items()})
         return batches, metrics
 
     def _advantages(self, rewards: torch.Tensor, completions: list[list[int]]) -> torch.Tensor:

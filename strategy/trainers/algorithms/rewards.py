@@ -1,19 +1,30 @@
-"""Rewards for online RL: a Python callable named ``module:function``, or a reward model.
+"""Rewards for online RL: Python callables named ``module:function``, a reward model, or a weighted
+sum of several (``Rewards``).
 
 A callable is found (imported, checked callable) before any process group starts and is then
-called as ``f(prompt, completion, row) -> float`` for each completion; the first value that is
-not a finite number stops every rank with a line naming the prompt. A reward model
-(``AutoModelForSequenceClassification``, one label, as ``RewardModelTrainer`` trains) runs as an
-eval engine and scores prompt + completion re-tokenized with its own tokenizer exactly as its
-training data was (prompt and response tokenized apart, the response closed by its EOS when the
-completion ended), at that EOS: the position ``RewardModelTrainer`` trained it on.
+called as ``f(prompt, completion, row) -> float`` for each completion, or, when the function has
+``batched = True``, once per rollout as ``f(prompts, completions, rows) -> list of floats``. The
+first value that is not a finite number, or an exception from the function, stops every rank
+with a line naming the function and the prompt. With ``--reward_timeout S`` the functions run in
+a worker process of the rank (forked, so nothing is pickled but the samples and the scores): a
+call that does not return within S seconds (per sample; per batch for a batched function) has its
+worker killed and stops every rank with a line naming the function and the prompt (a function
+that needs the accelerator cannot run in a forked worker: leave the timeout at 0 for it).
+
+A reward model (``AutoModelForSequenceClassification``, one label, as ``RewardModelTrainer``
+trains) runs as an eval engine and scores prompt + completion re-tokenized with its own tokenizer
+exactly as its training data was (prompt and response tokenized apart, the response closed by its
+EOS when the completion ended), at that EOS: the position ``RewardModelTrainer`` trained it on.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+import multiprocessing as mp
 import numbers
+import os
+import signal
 from typing import Any, Callable
 
 import torch
@@ -22,7 +33,7 @@ from strategy.errors import DataError, fail
 from strategy.trainers.losses import sequence_scores
 
 
-def load_reward_fn(spec: str) -> Callable[[str, str, dict], float]:
+def load_reward_fn(spec: str) -> Callable[..., Any]:
     """``module:function`` (a dotted module path importable here) as the callable it names."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -50,15 +61,123 @@ def checked_reward(value: Any, prompt: str, spec: str) -> float:
     return float(value)
 
 
-class CallableReward:
-    """``f(prompt, completion, row)`` over a rollout's completions."""
+def _calls(fn: Callable, batched: bool, prompts: list[str], completions: list[str],
+           rows: list[dict]):
+    """(index of the first sample, its scores) per call: one call per sample, or one in all."""
+    if batched:
+        yield 0, list(fn(prompts, completions, rows))
+        return
+    for i, args in enumerate(zip(prompts, completions, rows)):
+        yield i, [fn(*args)]
 
-    def __init__(self, spec: str) -> None:
-        self.spec, self.fn = spec, load_reward_fn(spec)
+
+def _serve(fn: Callable, batched: bool, conn) -> None:
+    """A reward worker: scores each job it receives, one message per call, until ``None``."""
+    while (job := conn.recv()) is not None:
+        try:
+            for start, values in _calls(fn, batched, *job):
+                conn.send(("ok", start, [v.item() if isinstance(v, torch.Tensor) else v
+                                         for v in values]))
+        except Exception as exc:  # noqa: BLE001 - reported to the rank, which raises it
+            conn.send(("error", -1, f"{type(exc).__name__}: {exc}"))
+
+
+class CallableReward:
+    """A ``module:function`` reward over a rollout's completions (per sample, or batched), in a
+    worker process with a time limit when ``timeout`` > 0."""
+
+    def __init__(self, spec: str, timeout: float = 0.0) -> None:
+        self.spec, self.fn, self.timeout = spec, load_reward_fn(spec), timeout
+        self.batched = bool(getattr(self.fn, "batched", False))
+        self.name = spec.partition(":")[2].split(".")[-1]
+        self._worker: int | None = None  # the worker's pid
+        self._conn = None
 
     def __call__(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
-        return [checked_reward(self.fn(p, c, r), p, self.spec)
-                for p, c, r in zip(prompts, completions, rows)]
+        calls = (self._in_worker if self.timeout > 0 else self._here)(prompts, completions, rows)
+        out: list[float] = []
+        for start, values in calls:
+            if self.batched and len(values) != len(prompts):
+                raise DataError(f"reward_fn={self.spec!r} returned {len(values)} scores for "
+                                f"{len(prompts)} completions; return one per completion")
+            out += [checked_reward(v, prompts[start + k], self.spec) for k, v in enumerate(values)]
+        return out
+
+    def _failed(self, prompts: list[str], index: int, why: str, fix: str = "") -> DataError:
+        where = f"the batch of {len(prompts)} starting with" if self.batched else "prompt"
+        return DataError(f"reward_fn={self.spec!r} {why} for {where} {prompts[index][:80]!r}"
+                         + (f"; {fix}" if fix else ""))
+
+    def _here(self, prompts, completions, rows):
+        index = 0  # the sample being scored
+        try:
+            for start, values in _calls(self.fn, self.batched, prompts, completions, rows):
+                yield start, values
+                index = start + len(values)
+        except Exception as exc:  # noqa: BLE001 - one line naming the function and the sample
+            raise self._failed(prompts, min(index, len(prompts) - 1),
+                               f"raised {type(exc).__name__}: {exc}") from None
+
+    def _in_worker(self, prompts, completions, rows):
+        if self._worker is None or os.waitpid(self._worker, os.WNOHANG)[0]:
+            self._start_worker()
+        self._conn.send((prompts, completions, rows))
+        index, expected = 0, 1 if self.batched else len(prompts)
+        for _ in range(expected):
+            if not self._conn.poll(self.timeout):
+                self.close()
+                raise self._failed(prompts, index, f"did not return within --reward_timeout="
+                                   f"{self.timeout:g} s", "fix the function or raise the limit")
+            kind, start, values = self._conn.recv()
+            if kind == "error":
+                self.close()
+                raise self._failed(prompts, index, f"raised {values}")
+            yield start, values
+            index = start + len(values)
+
+    def _start_worker(self) -> None:
+        """Fork the worker (the function as imported here: nothing to pickle; a plain fork, since
+        a rank may itself be a daemonic process, which multiprocessing forbids children)."""
+        self._conn, child = mp.Pipe()
+        pid = os.fork()
+        if pid == 0:  # the worker: serves until the rank closes the pipe or kills it
+            try:
+                self._conn.close()
+                _serve(self.fn, self.batched, child)
+            finally:
+                os._exit(0)
+        child.close()
+        self._worker = pid
+
+    def close(self) -> None:
+        """Stop the worker (killed: it may be stuck inside the function)."""
+        if self._worker is not None:
+            try:
+                os.kill(self._worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(self._worker, 0)
+            self._worker = None
+
+
+class Rewards:
+    """The weighted sum of several rewards (functions and/or a reward model); ``last`` holds each
+    one's scores of the latest call, by name, for the logs."""
+
+    def __init__(self, parts: list[tuple[str, Callable, float]]) -> None:
+        self.parts, self.last = parts, {}
+        self.scores_eos = any(getattr(fn, "scores_eos", False) for _, fn, _ in parts)
+
+    def __call__(self, prompts: list[str], completions: list[str], rows: list[dict],
+                 ended: list[bool] | None = None) -> list[float]:
+        total = [0.0] * len(prompts)
+        self.last = {}
+        for name, fn, weight in self.parts:
+            extra = (ended,) if getattr(fn, "scores_eos", False) and ended is not None else ()
+            scores = fn(prompts, completions, rows, *extra)
+            self.last[name] = scores
+            total = [t + weight * s for t, s in zip(total, scores)]
+        return total
 
 
 class ModelReward:
