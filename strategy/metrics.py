@@ -48,17 +48,73 @@ class MetricsLogger(NullLogger):
         self.jsonl.close()
         if self.wandb is not None:
             self.wandb.finish()
-        plot_curves(self.path, os.path.join(os.path.dirname(self.path), "loss_curve.png"))
+        rows = [json.loads(line) for line in open(self.path)]
+        out = os.path.dirname(self.path)
+        if any("train/reward" in row for row in rows):  # an on-policy run
+            plot_rl_curves(rows, os.path.join(out, "rl_curves.png"))
+        else:
+            plot_curves(self.path, os.path.join(out, "loss_curve.png"))
 
 
-def plot_curves(jsonl_path: str, png_path: str,
-                keys: tuple[str, ...] = ("train/loss", "eval/loss")) -> None:
-    """Plot the logged losses against the step into a PNG."""
+def _pyplot():
     import matplotlib  # heavy (~0.5 s): imported once, at the end of a run, on rank 0 only
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after matplotlib.use, as matplotlib requires
 
+    return plt
+
+
+# an on-policy run's panels: (title, the keys drawn in it); a panel without data is left out
+RL_PANELS = (
+    ("sampled reward", ("train/reward",)),  # + each reward of a weighted sum (train/reward_*)
+    ("held-out reward and exact match", ("eval/reward", "eval/exact_match")),
+    ("KL to the reference", ("train/kl",)),
+    ("completion length (tokens)", ("train/completion_length", "eval/completion_length")),
+    ("policy loss", ("train/loss",)),
+    ("value loss", ("train/value_loss",)),
+)
+
+
+def plot_rl_curves(rows: list[dict], png_path: str) -> list[tuple[str, str]]:
+    """An on-policy run in one figure: sampled and held-out reward, KL, completion length, policy
+    (and value) loss, each in its own panel on a linear scale (the policy loss is near zero and
+    often negative, the reward bounded: a log scale fits neither).
+
+    Returns:
+        The panels drawn, as (title, y scale).
+    """
+    plt = _pyplot()
+    components = sorted({k for row in rows for k in row if k.startswith("train/reward_")})
+    panels = [(title, keys + tuple(components) * (title == "sampled reward"))
+              for title, keys in RL_PANELS]
+    panels = [(title, keys) for title, keys in panels if any(k in row for row in rows
+                                                             for k in keys)]
+    cols = min(3, len(panels))
+    fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols, squeeze=False,
+                             figsize=(4.5 * cols, 3.2 * ((len(panels) + cols - 1) // cols)))
+    drawn = []
+    for ax, (title, keys) in zip(axes.flat, panels):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            if points:
+                ax.plot(*zip(*points), marker="." if len(points) < 50 else None, label=key)
+        ax.set(xlabel="optimizer step", title=title, yscale="linear")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        drawn.append((title, ax.get_yscale()))
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return drawn
+
+
+def plot_curves(jsonl_path: str, png_path: str,
+                keys: tuple[str, ...] = ("train/loss", "eval/loss")) -> None:
+    """Plot the logged losses against the step into a PNG."""
+    plt = _pyplot()
     rows = [json.loads(line) for line in open(jsonl_path)]
     fig, ax = plt.subplots(figsize=(6, 4))
     for key in keys:

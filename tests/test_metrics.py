@@ -70,3 +70,26 @@ def test_log_prefixes_and_rank_zero_filter(monkeypatch, capsys):
         "[checkpoint rank 1] no RNG state for this rank"]
     with pytest.raises(ValueError, match="log topic 'ckpt' is unknown"):
         log.get_logger("ckpt")  # every prefix comes from the one table
+
+
+def test_an_on_policy_run_plots_its_own_figure(tmp_path):
+    """A run that logs a sampled reward gets rl_curves.png (reward, held-out, KL, length,
+    policy loss; each reward of a weighted sum too), linear scales, and no loss_curve.png."""
+    from strategy.metrics import plot_rl_curves
+
+    log = create_logger(str(tmp_path))
+    for step in range(1, 5):
+        log.log(step, {"loss": -0.01 * step, "reward": 0.1 * step, "reward_format": 1.0,
+                       "kl": 0.001 * step, "completion_length": 7.0})
+    log.log(4, {"exact_match": 0.5, "reward": 0.4}, prefix="eval")
+    log.close()
+    assert (tmp_path / "rl_curves.png").stat().st_size > 1000
+    assert not (tmp_path / "loss_curve.png").exists()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    panels = plot_rl_curves(rows, str(tmp_path / "again.png"))
+    assert [title for title, _ in panels] == [
+        "sampled reward", "held-out reward and exact match", "KL to the reference",
+        "completion length (tokens)", "policy loss"]  # no value loss logged: no panel
+    assert {scale for _, scale in panels} == {"linear"}
+    with_value = rows + [{"step": 5, "train/value_loss": 0.3}]
+    assert plot_rl_curves(with_value, str(tmp_path / "ppo.png"))[-1] == ("value loss", "linear")
