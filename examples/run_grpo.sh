@@ -3,7 +3,8 @@
 # GRPO on the hard toy task (reverse 7-12 letters) at 2 CPU ranks: make the data, a short SFT run
 # that gets part of the held-out set right, GRPO from it with a rule-based reward, and held-out
 # exact match before and after, each from a fresh-process reload of the export.
-# Env: OUT (default outputs/grpo), SKIP_SETUP=1 (already installed), MASTER_PORT.
+# Env: OUT (default outputs/grpo), SKIP_SETUP=1 (already installed), MASTER_PORT, GRPO_CONFIG
+# (default configs/grpo_toy.yaml; configs/reinforce_pp_toy.yaml runs REINFORCE++).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${SKIP_SETUP:-0}" = 1 ] || bash .ci/setup default
@@ -21,7 +22,7 @@ sft_s=$((SECONDS - start))
 python -m strategy.demos.toy_task evaluate "$OUT/sft" "$OUT/data/test.jsonl" | tee "$OUT/before.txt"
 start=$SECONDS
 torchrun --nproc_per_node 2 --master_port "$PORT" examples/train_grpo.py \
-    --config configs/grpo_toy.yaml --pretrain "$OUT/sft" "${paths[@]}" \
+    --config "${GRPO_CONFIG:-configs/grpo_toy.yaml}" --pretrain "$OUT/sft" "${paths[@]}" \
     --save_path "$OUT/model" --ckpt_path "$OUT/ckpt" --log_dir "$OUT/logs"
 grpo_s=$((SECONDS - start))
 python -m strategy.demos.toy_task evaluate "$OUT/model" "$OUT/data/test.jsonl" | tee "$OUT/after.txt"

@@ -85,7 +85,8 @@ def plot_rl_curves(rows: list[dict], png_path: str) -> list[tuple[str, str]]:
         The panels drawn, as (title, y scale).
     """
     plt = _pyplot()
-    components = sorted({k for row in rows for k in row if k.startswith("train/reward_")})
+    components = sorted({k for row in rows for k in row
+                         if k.startswith("train/reward_") and k != "train/reward_std"})
     panels = [(title, keys + tuple(components) * (title == "sampled reward"))
               for title, keys in RL_PANELS]
     panels = [(title, keys) for title, keys in panels if any(k in row for row in rows

@@ -80,6 +80,7 @@ def test_an_on_policy_run_plots_its_own_figure(tmp_path):
     log = create_logger(str(tmp_path))
     for step in range(1, 5):
         log.log(step, {"loss": -0.01 * step, "reward": 0.1 * step, "reward_format": 1.0,
+                       "reward_std": 0.5,
                        "kl": 0.001 * step, "completion_length": 7.0})
     log.log(4, {"exact_match": 0.5, "reward": 0.4}, prefix="eval")
     log.close()
@@ -91,5 +92,25 @@ def test_an_on_policy_run_plots_its_own_figure(tmp_path):
         "sampled reward", "held-out reward and exact match", "KL to the reference",
         "completion length (tokens)", "policy loss"]  # no value loss logged: no panel
     assert {scale for _, scale in panels} == {"linear"}
+    assert _drawn_keys(plot_rl_curves, rows, tmp_path)[0] == ["train/reward", "train/reward_format"]
     with_value = rows + [{"step": 5, "train/value_loss": 0.3}]
     assert plot_rl_curves(with_value, str(tmp_path / "ppo.png"))[-1] == ("value loss", "linear")
+
+
+def _drawn_keys(plot, rows, tmp_path) -> list[list[str]]:
+    """The line labels of each panel ``plot`` draws (matplotlib's figure, captured)."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    original = plt.Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        figures.append([[line.get_label() for line in ax.get_lines()] for ax in fig.axes])
+        return original(fig, *args, **kwargs)
+
+    plt.Figure.savefig = keep
+    try:
+        plot(rows, str(tmp_path / "labels.png"))
+    finally:
+        plt.Figure.savefig = original
+    return figures[-1]

@@ -75,6 +75,7 @@ CONFIGS = [
     ("custom_trainer", "configs/sft_zero3.yaml", ()),
     ("train_sft", "configs/grpo_sft.yaml", ()),
     ("train_grpo", "configs/grpo_toy.yaml", ()),
+    ("train_grpo", "configs/reinforce_pp_toy.yaml", ()),
 ]
 
 
