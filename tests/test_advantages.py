@@ -12,6 +12,7 @@ from strategy.trainers.losses import (
     grpo_token_losses,
     kl_estimate,
     outcome_advantages,
+    outcome_token_rewards,
     token_moments,
     whiten,
 )
@@ -134,3 +135,19 @@ def test_grpo_aggregations_by_hand():
         fake = SimpleNamespace(grpo=SimpleNamespace(policy_loss_agg=agg, max_new_tokens=8),
                                normalize=lambda total, key: total / counts[key])
         assert GRPOTrainer._aggregate(fake, losses, mask).item() == pytest.approx(value), agg
+
+
+def test_kl_in_the_reward_gives_openrlhfs_per_token_returns():
+    """``--kl_in_reward``: the outcome on the last completion token, -kl_coef x KL on each,
+    returns with gamma 1 (OpenRLHF's compute_reward then get_cumulative_returns)."""
+    torch.manual_seed(3)
+    outcome = torch.tensor([1.0, -0.5, 2.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    kl = torch.rand(3, 4) * mask
+    ours = discounted_returns(outcome_token_rewards(outcome, mask) - 0.1 * kl, mask, 1.0)
+    theirs = peer_rl.get_cumulative_returns(peer_rl.compute_reward(outcome, 0.1, kl, mask), mask,
+                                            1.0)
+    torch.testing.assert_close(ours, theirs)
+    assert outcome_token_rewards(outcome, mask)[1].tolist() == [0.0, -0.5, 0.0, 0.0]
+    first = outcome[0] - 0.1 * kl[0, :3].sum()  # the return from the first token: all of it
+    assert ours[0, 0].item() == pytest.approx(first.item())

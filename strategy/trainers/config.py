@@ -345,6 +345,10 @@ class GRPOConfig:
                                       "clip-higher: e.g. 0.28)", None)
     dual_clip: float | None = doc("GRPO: dual-clip PPO bound (> 1) on a negative advantage's "
                                   "loss, -dual_clip x advantage (None: off)", None)
+    kl_in_reward: bool = doc(
+        "GRPO: put kl_coef x the KL estimate (--kl_estimator; k1 is OpenRLHF's default) into each "
+        "completion token's reward, advantages then being per-token returns, instead of a KL term "
+        "in the loss (OpenRLHF's PPO/REINFORCE++ way)", False)
     rollout_gather: str = doc(
         "GRPO under ZeRO-3: full (gather the policy once per rollout into a plain copy that "
         "generates without collectives; refused when it would not fit in a rank's free memory) "

@@ -7,7 +7,9 @@ less the group mean, over the group std; RLOO, Dr. GRPO, REINFORCE++ and its bas
 last two whitened over every rank's completion tokens). Then ``ppo_epochs`` optimizer steps, each
 over the whole rollout: the clipped policy-gradient loss (``--clip_eps``, or ``--clip_eps_low`` /
 ``--clip_eps_high``, optionally ``--dual_clip``) plus ``kl_coef`` times a KL estimate
-(``--kl_estimator``, k3 by default) to a frozen reference, aggregated by ``--policy_loss_agg``:
+(``--kl_estimator``, k3 by default) to a frozen reference (with ``--kl_in_reward`` that KL goes
+into each token's reward instead, the advantages becoming per-token returns), aggregated by
+``--policy_loss_agg``:
 every completion token of the step weighing the same (default; the loop's token-weighted
 ``normalize``), each completion's token mean averaged over completions (the GRPO paper), or each
 completion's token sum over ``max_new_tokens`` (Dr. GRPO). The first step's log-probs become the
@@ -52,8 +54,11 @@ from strategy.trainers.data.spec import prompts_per_rank
 from strategy.trainers.loop import Step, StepPlan, Trainer, plan_steps
 from strategy.trainers.losses import (
     IGNORE,
+    discounted_returns,
     grpo_token_losses,
+    kl_estimate,
     outcome_advantages,
+    outcome_token_rewards,
     token_logps,
     token_moments,
     whiten,
@@ -297,6 +302,8 @@ class GRPOTrainer(Trainer):
                 for b in batches:
                     b["ref_logp"] = token_logps(self.ref_model, self.to_device(b),
                                                self.grpo.temperature)[0].cpu()
+        if self.grpo.kl_in_reward:
+            self._kl_in_reward(batches)
         stats = self.strategy.all_reduce({"sum": rewards.sum().item(),
                                           "sq": rewards.pow(2).sum().item(),
                                           "n": float(rewards.numel())}, op="sum")
@@ -317,10 +324,33 @@ class GRPOTrainer(Trainer):
         values."""
         g = self.grpo
         out = outcome_advantages(rewards, g.group_size, g.advantage_estimator, g.advantage_eps)
-        if g.advantage_estimator in WHITENED:
+        if g.advantage_estimator in WHITENED and not g.kl_in_reward:  # else after the KL
             lengths = torch.tensor([float(len(c)) for c in completions])
             out = whiten(out, self.strategy.all_reduce(token_moments(out, lengths), op="sum"))
         return out
+
+    def _kl_in_reward(self, batches: list[dict]) -> None:
+        """``kl_in_reward``: each completion token is rewarded ``-kl_coef x KL`` (the policy at
+        rollout time against the reference), the completion's outcome advantage added on its last
+        token; a token's advantage is the return from it (gamma 1), whitened over every rank's
+        tokens for the REINFORCE++ estimators (OpenRLHF's ``compute_reward``,
+        ``get_cumulative_returns`` and whitening)."""
+        g, masks = self.grpo, []
+        for b in batches:
+            with torch.no_grad():  # the rollout's policy: the first update's "old" log-probs
+                old, mask = token_logps(self.model, self.to_device(b), g.temperature)
+            b["old_logp"], mask = old.detach().cpu(), mask.cpu()
+            kl = (kl_estimate(b["old_logp"], b["ref_logp"], g.kl_estimator) * mask
+                  if "ref_logp" in b else torch.zeros_like(mask))
+            rewards = outcome_token_rewards(b["advantages"].float(), mask) - g.kl_coef * kl
+            b["advantages"] = discounted_returns(rewards, mask, 1.0)
+            masks.append(mask)
+        if g.advantage_estimator in WHITENED:
+            scored = torch.cat([b["advantages"][m.bool()] for b, m in zip(batches, masks)])
+            moments = self.strategy.all_reduce(token_moments(scored, torch.ones_like(scored)),
+                                               op="sum")
+            for b, m in zip(batches, masks):
+                b["advantages"] = whiten(b["advantages"], moments) * m
 
     def _micro_batch(self, prompts: list[list[int]], completions: list[list[int]],
                      advantages: torch.Tensor, index: int) -> dict:
@@ -344,13 +374,14 @@ class GRPOTrainer(Trainer):
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
         logp, mask = token_logps(self.model, batch, self.grpo.temperature)  # the sampler's
         key = batch["rollout_index"]  # which micro-batch of the rollout
-        if key not in self._old_logps:  # the rollout's first update: ratio 1
-            self._old_logps[key] = logp.detach()
+        if key not in self._old_logps:  # the rollout's first update: ratio 1 (kl_in_reward: the
+            self._old_logps[key] = batch.get("old_logp", logp.detach())  # rollout's own pass)
         ref = batch.get("ref_logp", logp.detach())
         g = self.grpo
         losses, metrics = grpo_token_losses(
             logp, self._old_logps[key], ref, batch["advantages"], mask,
-            g.clip_eps if g.clip_eps_low is None else g.clip_eps_low, g.kl_coef,
+            g.clip_eps if g.clip_eps_low is None else g.clip_eps_low,
+            0.0 if g.kl_in_reward else g.kl_coef,
             clip_eps_high=g.clip_eps if g.clip_eps_high is None else g.clip_eps_high,
             dual_clip=g.dual_clip, kl_estimator=g.kl_estimator)
         return self._aggregate(losses, mask), metrics

@@ -13,6 +13,7 @@ from strategy.trainers.losses.advantages import (
     gae,
     kl_estimate,
     outcome_advantages,
+    outcome_token_rewards,
     token_moments,
     whiten,
 )
@@ -40,7 +41,7 @@ from strategy.trainers.losses.lm import (
 
 __all__ = ["DPO_LOSSES", "ESTIMATORS", "IGNORE", "OUTCOME_ESTIMATORS", "discounted_returns",
            "dpo_loss", "dpo_losses", "forward_inputs", "gae", "kl_estimate", "outcome_advantages",
-           "token_moments", "whiten",
+           "outcome_token_rewards", "token_moments", "whiten",
            "group_advantages", "grpo_token_losses", "kto_losses", "last_attended", "orpo_losses",
            "pairwise_losses", "pairwise_metrics", "response_loss", "sequence_scores",
            "simpo_losses", "tiled_loss_sum", "token_logps"]

@@ -72,6 +72,13 @@ def whiten(values: torch.Tensor, moments: dict[str, float]) -> torch.Tensor:
     return ((values.double() - mean) / var ** 0.5).to(values.dtype)
 
 
+def outcome_token_rewards(outcome: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's ``outcome`` on its last masked token, zero elsewhere (rows x tokens), as
+    OpenRLHF's ``compute_reward`` places a sequence reward."""
+    last = mask.shape[1] - 1 - mask.long().flip(1).argmax(dim=1, keepdim=True)
+    return torch.zeros(mask.shape, dtype=outcome.dtype).scatter_(1, last, outcome.unsqueeze(1))
+
+
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """REINFORCE returns per token: ``G_t = r_t + gamma * G_{t+1}`` over masked ``rewards``
     (rows x tokens)."""
