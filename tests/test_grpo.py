@@ -270,7 +270,7 @@ def hanging_reward_run(root: str) -> str:
     from strategy.errors import StrategyError
 
     try:
-        train(root, "hang", reward_fn="tests.test_rewards:hanging_on_rank_1", kl_coef=0.0,
+        train(root, "hang", reward_fn="tests.support.rewards:hanging_on_rank_1", kl_coef=0.0,
               max_steps=2, reward_timeout=2)
     except StrategyError as exc:
         return str(exc)
@@ -281,8 +281,8 @@ def hanging_reward_run(root: str) -> str:
 def test_a_hanging_reward_is_stopped_by_the_timeout_on_every_rank(ranks, toy):
     messages = ranks.run(hanging_reward_run, str(toy), timeout=120)  # rank 1's worker hangs
     for message in messages:
-        assert message.startswith("rank 1: DataError: reward_fn='tests.test_rewards:hanging_on_"
-                                  "rank_1' did not return within --reward_timeout=2 s for "
+        assert message.startswith("rank 1: DataError: reward_fn='tests.support.rewards:hanging_"
+                                  "on_rank_1' did not return within --reward_timeout=2 s for "
                                   "prompt "), message
         assert message.endswith("; fix the function or raise the limit") and "\n" not in message
 
@@ -339,9 +339,9 @@ CASES = [
     ({"reward_weights": "1,x"}, "reward_weights='1,x' is invalid: write numbers separated by "
                                 "commas"),
     ({"reward_timeout": -1}, "reward_timeout=-1.0 is invalid: use seconds > 0, or 0"),
-    ({"reward_fn": f"{REWARD},tests.test_rewards:nope"}, "reward_fn='tests.test_rewards:nope' "
-                                                          "is invalid: tests.test_rewards has no "
-                                                          "callable 'nope'"),
+    ({"reward_fn": f"{REWARD},tests.support.rewards:nope"},
+     "reward_fn='tests.support.rewards:nope' is invalid: tests.support.rewards has no callable "
+     "'nope'"),
 ]
 
 

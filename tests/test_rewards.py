@@ -1,54 +1,15 @@
 """Several rewards, weighted; batched reward functions; a reward function that fails or hangs
-stops with one line naming it and the sample (unit level; at 2 ranks in tests/test_grpo.py)."""
+stops with one line naming it and the sample (unit level; at 2 ranks in tests/test_grpo.py). The
+functions live in tests/support/rewards.py."""
 
 from __future__ import annotations
-
-import os
-import time
 
 import pytest
 
 from strategy.errors import DataError
 from strategy.trainers.algorithms.rewards import CallableReward, Rewards
 
-HERE = "tests.test_rewards"
-
-
-def length_reward(prompt: str, completion: str, row: dict) -> float:
-    return float(len(completion))
-
-
-def match_reward(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
-    return [float(c == r["answer"]) for c, r in zip(completions, rows)]
-
-
-match_reward.batched = True
-
-
-def short_batch(prompts, completions, rows):
-    return [1.0]
-
-
-short_batch.batched = True
-
-
-def raising_reward(prompt: str, completion: str, row: dict) -> float:
-    if prompt == "p2":
-        raise KeyError("answer")
-    return 0.0
-
-
-def hanging_reward(prompt: str, completion: str, row: dict) -> float:
-    if prompt == "p2":
-        time.sleep(120)
-    return 1.0
-
-
-def hanging_on_rank_1(prompt: str, completion: str, row: dict) -> float:
-    """For the 2-rank test: hangs on rank 1 only (the worker inherits the rank's environment)."""
-    if os.environ.get("RANK") == "1":
-        time.sleep(120)
-    return 1.0
+HERE = "tests.support.rewards"  # stdlib only: a worker imports it in a fraction of a second
 
 
 PROMPTS, COMPLETIONS = ["p1", "p2", "p3"], ["ab", "x", "abc"]

@@ -5,11 +5,11 @@ A callable is found (imported, checked callable) before any process group starts
 called as ``f(prompt, completion, row) -> float`` for each completion, or, when the function has
 ``batched = True``, once per rollout as ``f(prompts, completions, rows) -> list of floats``. The
 first value that is not a finite number, or an exception from the function, stops every rank
-with a line naming the function and the prompt. With ``--reward_timeout S`` the functions run in
-a worker process of the rank (forked, so nothing is pickled but the samples and the scores): a
-call that does not return within S seconds (per sample; per batch for a batched function) has its
-worker killed and stops every rank with a line naming the function and the prompt (a function
-that needs the accelerator cannot run in a forked worker: leave the timeout at 0 for it).
+with a line naming the function and the prompt. With ``--reward_timeout S`` each function runs in
+a worker process of the rank (``reward_worker.py``: a new interpreter importing only the function's
+module; samples and scores travel as JSON lines): a call that does not return within S seconds
+(per sample; per batch for a batched function) has its worker killed and stops every rank with a
+line naming the function and the prompt.
 
 A reward model (``AutoModelForSequenceClassification``, one label, as ``RewardModelTrainer``
 trains) runs as an eval engine and scores prompt + completion re-tokenized with its own tokenizer
@@ -20,17 +20,23 @@ EOS when the completion ended), at that EOS: the position ``RewardModelTrainer``
 from __future__ import annotations
 
 import importlib
+import json
 import math
-import multiprocessing as mp
 import numbers
 import os
-import signal
+import queue
+import subprocess
+import sys
+import threading
 from typing import Any, Callable
 
 import torch
 
 from strategy.errors import DataError, fail
 from strategy.trainers.losses import sequence_scores
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reward_worker.py")
+WORKER_START_S = 300  # importing the reward's module (and whatever it imports) in the worker
 
 
 def load_reward_fn(spec: str) -> Callable[..., Any]:
@@ -71,17 +77,6 @@ def _calls(fn: Callable, batched: bool, prompts: list[str], completions: list[st
         yield i, [fn(*args)]
 
 
-def _serve(fn: Callable, batched: bool, conn) -> None:
-    """A reward worker: scores each job it receives, one message per call, until ``None``."""
-    while (job := conn.recv()) is not None:
-        try:
-            for start, values in _calls(fn, batched, *job):
-                conn.send(("ok", start, [v.item() if isinstance(v, torch.Tensor) else v
-                                         for v in values]))
-        except Exception as exc:  # noqa: BLE001 - reported to the rank, which raises it
-            conn.send(("error", -1, f"{type(exc).__name__}: {exc}"))
-
-
 class CallableReward:
     """A ``module:function`` reward over a rollout's completions (per sample, or batched), in a
     worker process with a time limit when ``timeout`` > 0."""
@@ -90,8 +85,8 @@ class CallableReward:
         self.spec, self.fn, self.timeout = spec, load_reward_fn(spec), timeout
         self.batched = bool(getattr(self.fn, "batched", False))
         self.name = spec.partition(":")[2].split(".")[-1]
-        self._worker: int | None = None  # the worker's pid
-        self._conn = None
+        self._worker: subprocess.Popen | None = None
+        self._lines: queue.Queue = queue.Queue()
 
     def __call__(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
         calls = (self._in_worker if self.timeout > 0 else self._here)(prompts, completions, rows)
@@ -119,45 +114,60 @@ class CallableReward:
                                f"raised {type(exc).__name__}: {exc}") from None
 
     def _in_worker(self, prompts, completions, rows):
-        if self._worker is None or os.waitpid(self._worker, os.WNOHANG)[0]:
+        if self._worker is None or self._worker.poll() is not None:
             self._start_worker()
-        self._conn.send((prompts, completions, rows))
-        index, expected = 0, 1 if self.batched else len(prompts)
-        for _ in range(expected):
-            if not self._conn.poll(self.timeout):
+        job = {"prompts": prompts, "completions": completions, "rows": rows}
+        self._worker.stdin.write(json.dumps(job, default=str) + "\n")
+        self._worker.stdin.flush()
+        index = 0
+        for _ in range(1 if self.batched else len(prompts)):
+            message = self._next(self.timeout)
+            if message is None:
                 self.close()
                 raise self._failed(prompts, index, f"did not return within --reward_timeout="
                                    f"{self.timeout:g} s", "fix the function or raise the limit")
-            kind, start, values = self._conn.recv()
+            kind, start, values = message
             if kind == "error":
                 self.close()
                 raise self._failed(prompts, index, f"raised {values}")
             yield start, values
             index = start + len(values)
 
+    def _next(self, timeout: float):
+        """The worker's next message, or None after ``timeout`` seconds (or if it died)."""
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        return None if line is None else json.loads(line)
+
     def _start_worker(self) -> None:
-        """Fork the worker (the function as imported here: nothing to pickle; a plain fork, since
-        a rank may itself be a daemonic process, which multiprocessing forbids children)."""
-        self._conn, child = mp.Pipe()
-        pid = os.fork()
-        if pid == 0:  # the worker: serves until the rank closes the pipe or kills it
-            try:
-                self._conn.close()
-                _serve(self.fn, self.batched, child)
-            finally:
-                os._exit(0)
-        child.close()
-        self._worker = pid
+        """Start the worker: a new interpreter (spawned, not forked: a fork of a large rank can
+        fail for memory) that imports only the reward's module, with this rank's ``sys.path``."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self._worker = subprocess.Popen([sys.executable, WORKER, self.spec], env=env, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        start_new_session=True)
+        self._lines = queue.Queue()
+        threading.Thread(target=_pump, args=(self._worker.stdout, self._lines),
+                         daemon=True).start()
+        if self._next(WORKER_START_S) != ["ready"]:
+            self.close()
+            raise DataError(f"reward_fn={self.spec!r}: its worker process did not start within "
+                            f"{WORKER_START_S} s; check that the module imports on its own")
 
     def close(self) -> None:
         """Stop the worker (killed: it may be stuck inside the function)."""
         if self._worker is not None:
-            try:
-                os.kill(self._worker, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            os.waitpid(self._worker, 0)
+            self._worker.kill()
+            self._worker.wait()
             self._worker = None
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
 
 
 class Rewards:
