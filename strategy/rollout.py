@@ -69,11 +69,13 @@ class GatheredRollout:
         self.module.requires_grad_(False)
         self._state = self.module.state_dict()
         self._owner = tensor_parallel_owners(self.source)
+        # planned once from shapes: each unit reads the live parameters when it produces
+        plan = plan_export(self.source, None, 2**62, merge_lora=is_peft_model(self.source))
+        self._groups = group_units(plan.units)
 
     def sync(self) -> None:
         """Every rank gathers the policy group by group and copies it into its plain module."""
-        plan = plan_export(self.source, None, 2**62, merge_lora=is_peft_model(self.source))
-        for group in group_units(plan.units):
+        for group in self._groups:
             with gathered_params([p for unit in group for p in unit.params], self._owner):
                 for unit in group:
                     for name, tensor in unit.produce().items():

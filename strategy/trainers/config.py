@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from strategy.config.fields import check_positive, check_steps, doc
 from strategy.errors import fail
+from strategy.rollout import GATHER_MODES
 
 OVERLONG = ("truncate", "drop", "error")
 LOSS_WEIGHTINGS = ("step", "micro_batch")
@@ -416,7 +417,7 @@ class GRPOConfig:
         for name, allowed in (("advantage_estimator", OUTCOME_ESTIMATORS),
                               ("policy_loss_agg", POLICY_LOSS_AGGS),
                               ("kl_estimator", KL_ESTIMATORS),
-                              ("rollout_gather", ("full", "layer"))):
+                              ("rollout_gather", GATHER_MODES)):
             if getattr(self, name) not in allowed:
                 fail(name, getattr(self, name), f"use one of {', '.join(allowed)}")
         if self.temperature <= 0:
