@@ -4,7 +4,8 @@
 # that gets part of the held-out set right, GRPO from it with a rule-based reward, and held-out
 # exact match before and after, each from a fresh-process reload of the export.
 # Env: OUT (default outputs/grpo), SKIP_SETUP=1 (already installed), MASTER_PORT, GRPO_CONFIG
-# (default configs/grpo_toy.yaml; configs/reinforce_pp_toy.yaml runs REINFORCE++).
+# (default configs/grpo_toy.yaml; configs/reinforce_pp_toy.yaml runs REINFORCE++), TRAINER (grpo,
+# or ppo with GRPO_CONFIG=configs/ppo_toy.yaml: examples/train_ppo.py, a critic beside the policy).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${SKIP_SETUP:-0}" = 1 ] || bash .ci/setup default
@@ -21,12 +22,12 @@ torchrun --nproc_per_node 2 --master_port "$PORT" examples/train_sft.py \
 sft_s=$((SECONDS - start))
 python -m strategy.demos.toy_task evaluate "$OUT/sft" "$OUT/data/test.jsonl" | tee "$OUT/before.txt"
 start=$SECONDS
-torchrun --nproc_per_node 2 --master_port "$PORT" examples/train_grpo.py \
+torchrun --nproc_per_node 2 --master_port "$PORT" "examples/train_${TRAINER:-grpo}.py" \
     --config "${GRPO_CONFIG:-configs/grpo_toy.yaml}" --pretrain "$OUT/sft" "${paths[@]}" \
     --save_path "$OUT/model" --ckpt_path "$OUT/ckpt" --log_dir "$OUT/logs"
 grpo_s=$((SECONDS - start))
 python -m strategy.demos.toy_task evaluate "$OUT/model" "$OUT/data/test.jsonl" | tee "$OUT/after.txt"
 before=$(grep -o "accuracy: [0-9.]*%" "$OUT/before.txt")
 after=$(grep -o "accuracy: [0-9.]*%" "$OUT/after.txt")
-echo "[grpo run] SFT ${sft_s} s: held-out exact match ${before#accuracy: }; GRPO ${grpo_s} s:" \
+echo "[${TRAINER:-grpo} run] SFT ${sft_s} s: held-out exact match ${before#accuracy: }; GRPO ${grpo_s} s:" \
      "${after#accuracy: } (logs: $OUT/logs)"

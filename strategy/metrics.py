@@ -72,7 +72,7 @@ RL_PANELS = (
     ("KL to the reference", ("train/kl",)),
     ("completion length (tokens)", ("train/completion_length", "eval/completion_length")),
     ("policy loss", ("train/loss",)),
-    ("value loss", ("train/value_loss",)),
+    ("value loss", ("train/critic_loss",)),
 )
 
 

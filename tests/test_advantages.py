@@ -121,7 +121,7 @@ def test_asymmetric_and_dual_clip_by_hand_and_against_openrlhf():
 
 def test_grpo_aggregations_by_hand():
     """``policy_loss_agg``: the step's loss from token losses, through the trainer's own
-    ``_aggregate`` with the loop's normalisation over the step's items."""
+    ``aggregate`` with the loop's normalisation over the step's items."""
     from types import SimpleNamespace
 
     from strategy.trainers import GRPOTrainer
@@ -134,7 +134,7 @@ def test_grpo_aggregations_by_hand():
     for agg, value in want.items():
         fake = SimpleNamespace(grpo=SimpleNamespace(policy_loss_agg=agg, max_new_tokens=8),
                                normalize=lambda total, key: total / counts[key])
-        assert GRPOTrainer._aggregate(fake, losses, mask).item() == pytest.approx(value), agg
+        assert GRPOTrainer.aggregate(fake, losses, mask).item() == pytest.approx(value), agg
 
 
 def test_kl_in_the_reward_gives_openrlhfs_per_token_returns():

@@ -62,11 +62,17 @@ def test_yaml_may_set_callers_own_flags(tmp_path):
 def test_every_shipped_config_loads():
     files = sorted(glob.glob("configs/*.yaml"))
     assert files, "configs/ must hold at least one YAML"
-    from strategy.trainers import GRPOTrainer, KTOTrainer, ORPOTrainer, SimPOTrainer
+    from strategy.trainers import (
+        GRPOTrainer,
+        KTOTrainer,
+        ORPOTrainer,
+        PPOTrainer,
+        SimPOTrainer,
+    )
     from strategy.trainers.run import CONFIG_CLASSES
 
     own = {"train_grpo": GRPOTrainer, "train_kto": KTOTrainer, "train_orpo": ORPOTrainer,
-           "train_simpo": SimPOTrainer}  # trainers with configs of their own
+           "train_simpo": SimPOTrainer, "train_ppo": PPOTrainer}  # with configs of their own
 
     for path in files:
         first = open(path).readline()

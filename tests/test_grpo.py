@@ -310,7 +310,7 @@ def test_a_reward_that_is_not_a_number_stops_every_rank(ranks, toy):
 
 
 CASES = [
-    ({"group_size": 1}, "group_size=1 is invalid: GRPO compares completions within a group"),
+    ({"group_size": 1}, "group_size=1 is invalid: group_norm compares completions within a group"),
     ({"train_batch_size": 24, "micro_train_batch_size": 4, "group_size": 8},
      "train_batch_size=24 is invalid: each rank's 12 completions per step (micro x accumulation) "
      "must divide into groups of group_size=8; use a multiple of 16"),

@@ -93,7 +93,7 @@ def test_an_on_policy_run_plots_its_own_figure(tmp_path):
         "completion length (tokens)", "policy loss"]  # no value loss logged: no panel
     assert {scale for _, scale in panels} == {"linear"}
     assert _drawn_keys(plot_rl_curves, rows, tmp_path)[0] == ["train/reward", "train/reward_format"]
-    with_value = rows + [{"step": 5, "train/value_loss": 0.3}]
+    with_value = rows + [{"step": 5, "train/critic_loss": 0.3}]
     assert plot_rl_curves(with_value, str(tmp_path / "ppo.png"))[-1] == ("value loss", "linear")
 
 

@@ -20,6 +20,7 @@ from strategy.trainers.algorithms import (
     GRPOTrainer,
     KTOTrainer,
     ORPOTrainer,
+    PPOTrainer,
     RewardModelTrainer,
     SFTTrainer,
     SimPOTrainer,
@@ -32,6 +33,7 @@ from strategy.trainers.config import (
     LoraConfig,
     ModelConfig,
     ORPOConfig,
+    PPOConfig,
     RewardConfig,
     SimPOConfig,
     TrainConfig,
@@ -42,5 +44,6 @@ from strategy.trainers.run import Run
 
 __all__ = ["DPOConfig", "DPOTrainer", "DataConfig", "DataSpec", "GRPOConfig", "GRPOTrainer",
            "KTOConfig", "KTOTrainer", "LoraConfig", "ModelConfig", "ORPOConfig", "ORPOTrainer",
+           "PPOConfig", "PPOTrainer",
            "RewardConfig", "RewardModelTrainer", "Run", "SFTTrainer", "SimPOConfig",
            "SimPOTrainer", "Step", "TrainConfig", "Trainer"]

@@ -209,6 +209,7 @@ DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 # on-policy: advantage estimators from outcome rewards (OpenRLHF's names; gae needs a critic),
 # policy-loss aggregations (verl's names) and KL estimators
 OUTCOME_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline")
+GROUPED = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")  # baselines from the group
 POLICY_LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -307,8 +308,9 @@ class RewardConfig:
 class GRPOConfig:
     """Group relative policy optimization: sampling, reward, and the clipped update."""
 
-    group_size: int = doc("GRPO: completions sampled per prompt (G >= 2); train_batch_size counts "
-                          "completions, so it is G x prompts per rollout", 8)
+    group_size: int = doc("GRPO: completions sampled per prompt (G >= 2 for the group "
+                          "baselines); train_batch_size counts completions, so it is G x prompts "
+                          "per rollout", 8)
     reward_fn: str | None = doc("GRPO: reward callables 'module:function', comma-separated, "
                                 "each called as f(prompt, completion, row) -> float (or, with "
                                 "f.batched = True, f(prompts, completions, rows) -> floats)", None)
@@ -357,6 +359,24 @@ class GRPOConfig:
         "full")
     kl_estimator: str = doc("GRPO: the KL penalty's estimator: k1 (logp - ref), k2 ((logp - "
                             "ref)^2 / 2) or k3 (exp(ref - logp) - (ref - logp) - 1)", "k3")
+    gamma: float = doc("GRPO/PPO: discount of per-token returns (< 1: each token's advantage is "
+                       "its discounted return, the outcome on the last token; OpenRLHF's gamma)",
+                       1.0)
+
+    estimators = OUTCOME_ESTIMATORS  # what this config's trainer can estimate without a critic
+
+    @property
+    def clip_bounds(self) -> tuple[float, float]:
+        """The ratio's clip range below and above 1 (``clip_eps_low``/``high``, else
+        ``clip_eps``)."""
+        low, high = self.clip_eps_low, self.clip_eps_high
+        return (self.clip_eps if low is None else low, self.clip_eps if high is None else high)
+
+    @property
+    def per_token(self) -> bool:
+        """Whether advantages are per token (a KL in the reward, a discount, or GAE) rather
+        than one per completion."""
+        return self.kl_in_reward or self.gamma < 1 or self.advantage_estimator == "gae"
 
     def reward_names(self) -> list[str]:
         """Each reward in weight order.
@@ -390,10 +410,7 @@ class GRPOConfig:
         return weights
 
     def __post_init__(self) -> None:
-        if self.group_size < 2:
-            fail("group_size", self.group_size, "GRPO compares completions within a group; use "
-                 "at least 2, e.g. 8")
-        check_positive(self, "ppo_epochs", "max_new_tokens")
+        check_positive(self, "group_size", "ppo_epochs", "max_new_tokens")
         if self.reward_fn is None and self.reward_pretrain is None:
             fail("reward_fn", None, "name a reward: --reward_fn module:function or "
                  "--reward_pretrain RM_DIR")
@@ -411,18 +428,59 @@ class GRPOConfig:
             fail("clip_eps_high", self.clip_eps_high, "use a positive value, e.g. 0.28")
         if self.dual_clip is not None and not self.dual_clip > 1:
             fail("dual_clip", self.dual_clip, "use a bound > 1, e.g. 3.0, or leave it unset")
-        if self.advantage_estimator == "gae":
+        if self.advantage_estimator == "gae" and "gae" not in self.estimators:
             fail("advantage_estimator", "gae", "GAE needs a value model (a critic), which GRPO "
-                 f"has none of; use one of {', '.join(OUTCOME_ESTIMATORS)}")
-        for name, allowed in (("advantage_estimator", OUTCOME_ESTIMATORS),
+                 f"has none of; train with examples/train_ppo.py, or use one of "
+                 f"{', '.join(OUTCOME_ESTIMATORS)}")
+        if not 0 < self.gamma <= 1:
+            fail("gamma", self.gamma, "use a discount in (0, 1], e.g. 1.0")
+        for name, allowed in (("advantage_estimator", self.estimators),
                               ("policy_loss_agg", POLICY_LOSS_AGGS),
                               ("kl_estimator", KL_ESTIMATORS),
                               ("rollout_gather", GATHER_MODES)):
             if getattr(self, name) not in allowed:
                 fail(name, getattr(self, name), f"use one of {', '.join(allowed)}")
+        if self.group_size < 2 and self.advantage_estimator in GROUPED:
+            fail("group_size", self.group_size, f"{self.advantage_estimator} compares completions "
+                 "within a group; use at least 2, e.g. 8 (or --advantage_estimator reinforce)")
         if self.temperature <= 0:
             fail("temperature", self.temperature, "use a positive temperature, e.g. 1.0")
         if not 0 < self.top_p <= 1:
             fail("top_p", self.top_p, "use a probability in (0, 1]")
         if self.top_k < 0:
             fail("top_k", self.top_k, "use 0 (all tokens) or a positive count")
+
+
+@dataclass(frozen=True)
+class PPOConfig(GRPOConfig):
+    """PPO with a critic: GRPO's sampling, rewards and clipped update, advantages from GAE over a
+    value model trained beside the policy. Defaults follow OpenRLHF's PPO: one completion per
+    prompt, a k1 KL in the reward."""
+
+    group_size: int = doc("PPO: completions sampled per prompt; train_batch_size counts "
+                          "completions", 1)
+    advantage_estimator: str = doc("PPO: gae (advantages from the critic's values, "
+                                   "--gamma/--lambd)", "gae")
+    kl_in_reward: bool = doc("PPO: the KL (kl_coef x --kl_estimator) goes into each token's "
+                             "reward (OpenRLHF's default) instead of the loss", True)
+    kl_estimator: str = doc("PPO: the KL's estimator: k1, k2 or k3", "k1")
+    kl_coef: float = doc("PPO: weight of the KL to the reference (OpenRLHF's init_kl_coef)", 0.01)
+    lambd: float = doc("PPO: GAE's lambda (OpenRLHF's --lambd)", 0.95)
+    value_clip: float | None = doc("PPO: clip the critic's new values to old +- this in its loss "
+                                   "(OpenRLHF's --value_clip; None: no clipping)", 0.5)
+    critic_pretrain: str | None = doc("PPO: the critic's start, a model directory (default "
+                                      "--reward_pretrain, else --pretrain); its value head is "
+                                      "the checkpoint's 1-label score head or a new one", None)
+    critic_learning_rate: float = doc("PPO: the critic's peak learning rate (its own Adam and "
+                                      "schedule)", 9e-6)
+    save_value_network: bool = doc("PPO: also export the critic to <save_path>_critic", False)
+
+    estimators = ("gae",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.lambd <= 1:
+            fail("lambd", self.lambd, "use a GAE lambda in [0, 1], e.g. 0.95")
+        if self.value_clip is not None and self.value_clip <= 0:
+            fail("value_clip", self.value_clip, "use a positive range, e.g. 0.5, or leave it unset")
+        positive(self, "critic_learning_rate")

@@ -21,6 +21,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     AutoTokenizer,
 )
 
@@ -36,6 +37,7 @@ from strategy.optim import OptimConfig
 from strategy.parallel import check_sequence_parallel, check_tensor_parallel
 from strategy.quant import check_four_bit, four_bit_config, prepare_four_bit
 from strategy.trainers.algorithms.grpo import GRPOConfig, GRPOTrainer
+from strategy.trainers.algorithms.ppo import critic_source
 from strategy.trainers.algorithms.preference import check_reference_source
 from strategy.trainers.algorithms.rewards import CallableReward, ModelReward, Rewards
 from strategy.trainers.algorithms.sft import TILE_VOCAB
@@ -112,7 +114,8 @@ class Run:
         strategy_cfg, ckpt_cfg = by_type[StrategyConfig], by_type[CheckpointConfig]
         model_cfg, train_cfg, data_cfg = by_type[ModelConfig], by_type[TrainConfig], \
             by_type[DataConfig]
-        lora_cfg, grpo_cfg = by_type[LoraConfig], by_type.get(GRPOConfig)
+        lora_cfg = by_type[LoraConfig]
+        grpo_cfg = next((c for c in configs if isinstance(c, GRPOConfig)), None)  # or PPO's
         check_paths(model_cfg, train_cfg, data_cfg, ckpt_cfg)
         dist.from_slurm()  # the ranks srun started
         strategy_cfg.validate_world(dist.get_world_size())  # from the launcher's environment
@@ -229,6 +232,28 @@ class Run:
         if not self.lora.load_in_4bit:
             return {}
         return {"quantization_config": four_bit_config(self.strategy.dtype)}
+
+    def critic(self):
+        """PPO's value model: ``AutoModelForTokenClassification`` with one label and no dropout
+        or bias on its head (OpenRLHF's critic head), from ``critic_source`` (a reward model's
+        ``score`` head loads as it is; a causal LM gets a new one), or fresh from
+        ``--model_config``.
+
+        Returns:
+            The critic (not yet an engine: ``PPOTrainer`` prepares it).
+        """
+        source = critic_source(self.grpo, self.model_cfg)
+        if source is None:
+            config = hf_config(self.model_cfg.model_config, self.tokenizer, num_labels=1)
+        else:
+            config = AutoConfig.from_pretrained(source, num_labels=1)
+        config.classifier_dropout, config.token_classification_bias = 0.0, False
+        kwargs = {} if source is None else {"config": config}
+        model = self.strategy.from_pretrained(source or config, AutoModelForTokenClassification,
+                                              **self.attention(), **kwargs)
+        if getattr(model.config, "pad_token_id", None) is None:
+            model.config.pad_token_id = self.tokenizer.pad_token_id
+        return model
 
     def reward(self):
         """The GRPO reward: the weighted sum (``reward_weights``) of the ``reward_fn`` callables

@@ -5,8 +5,8 @@ Source: https://github.com/OpenRLHF/OpenRLHF at ``3c3be623`` ("Cleanup/simplicit
 (``compute_advantages_and_returns``: the reward shaping by estimator and the whitening;
 ``get_advantages_and_returns``; ``get_cumulative_returns``), ``openrlhf/models/utils.py``
 (``compute_approx_kl``, ``compute_reward``) and ``openrlhf/models/loss.py`` (``PolicyLoss``'s
-surrogate and dual clip, before aggregation). Only ``self``/``args`` plumbing is dropped; the
-arithmetic order is the peer's.
+surrogate and dual clip, before aggregation; ``ValueLoss`` with ``aggregate_loss``). Only
+``self``/``args`` plumbing is dropped; the arithmetic order is the peer's.
 """
 
 from __future__ import annotations
@@ -104,3 +104,29 @@ def policy_token_loss(log_probs, old_log_probs, advantages, clip_eps_low, clip_e
     clip1 = torch.min(surr1, surr2)
     clip2 = torch.max(clip1, dual_clip * advantages)
     return -torch.where(advantages < 0, clip2, clip1)
+
+
+def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    if dim is None:
+        return (tensor * mask).sum() / mask.sum()
+    return (tensor * mask).sum(axis=dim) / mask.sum(axis=dim)
+
+
+def value_loss(values, old_values, returns, action_mask, clip_eps=None,
+               token_level_loss=True) -> torch.Tensor:
+    """``ValueLoss.forward`` with ``aggregate_loss`` (no global counts: this batch's mean)."""
+    if clip_eps is not None:
+        values_clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+        surr1 = (values_clipped - returns) ** 2
+        surr2 = (values - returns) ** 2
+        loss = torch.max(surr1, surr2)
+    else:
+        loss = (values - returns) ** 2
+    if token_level_loss:
+        loss = masked_mean(loss, action_mask, dim=None)
+    else:
+        token_counts = action_mask.sum(dim=-1)
+        seq_loss = (loss * action_mask).sum(dim=-1) / (token_counts + 1e-8)
+        seq_mask = (token_counts > 0).float()
+        loss = masked_mean(seq_loss, seq_mask, dim=None)
+    return 0.5 * loss

@@ -1,6 +1,6 @@
 """The algorithms, one file each, all on the public ``Trainer`` API (``trainers.loop``): SFT,
 reward model, DPO, the reference-free ORPO and SimPO (``preference``), KTO, and online RL (GRPO,
-with its ``rewards``).
+with its ``rewards``, and PPO with a critic on GRPO's rollouts).
 
 May import: ``strategy`` below ``trainers``, and ``trainers.config``, ``losses``, ``data``,
 ``loop``; nothing underscored of ``Trainer`` (``tests/test_layout.py`` checks).
@@ -9,9 +9,11 @@ May import: ``strategy`` below ``trainers``, and ``trainers.config``, ``losses``
 from strategy.trainers.algorithms.dpo import DPOTrainer
 from strategy.trainers.algorithms.grpo import GRPOTrainer
 from strategy.trainers.algorithms.kto import KTOTrainer
+from strategy.trainers.algorithms.ppo import PPOTrainer
 from strategy.trainers.algorithms.preference import ORPOTrainer, SimPOTrainer
 from strategy.trainers.algorithms.rm import RewardModelTrainer
 from strategy.trainers.algorithms.sft import SFTTrainer
 
-__all__ = ["DPOTrainer", "GRPOTrainer", "KTOTrainer", "ORPOTrainer", "RewardModelTrainer",
+__all__ = ["DPOTrainer", "GRPOTrainer", "KTOTrainer", "ORPOTrainer", "PPOTrainer",
+           "RewardModelTrainer",
            "SFTTrainer", "SimPOTrainer"]

@@ -139,7 +139,7 @@ class GRPOTrainer(Trainer):
         Raises:
             ConfigError: a setting GRPO cannot run with.
         """
-        grpo, model = configs[GRPOConfig], configs[ModelConfig]
+        grpo, model = configs[cls.config_classes[0]], configs[ModelConfig]
         refuse_router_loss(configs, cls.__name__)
         if configs[DataConfig].streaming:
             fail("streaming", True, "GRPO's prompts are read whole; drop --streaming")
@@ -273,8 +273,9 @@ class GRPOTrainer(Trainer):
         return torch.tensor(rewards, dtype=torch.float32)
 
     def rollout(self, batch: dict) -> tuple[list[dict], dict]:
-        """This rank's micro-batches of completions with advantages (and reference log-probs),
-        and the rollout's metrics as (sum, count) pairs.
+        """The experience stage: this rank's micro-batches of completions with their rewards,
+        reference log-probs and advantages (``advantages``), and the rollout's metrics as
+        (sum, count) pairs.
 
         Args:
             batch: this rank's prompts (``prompt_ids``, ``prompt_mask``, ``prompts``, ``rows``).
@@ -291,19 +292,17 @@ class GRPOTrainer(Trainer):
         prompts = [p for p in batch["prompts"] for _ in range(g)]
         rows = [r for r in batch["rows"] for _ in range(g)]
         rewards = self._score(prompts, completions, self._texts(completions), rows)
-        advantages = self._advantages(rewards, completions)
         prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
         micro = self.strategy.config.micro_train_batch_size
         batches = [self._micro_batch(prompt_ids[i:i + micro], completions[i:i + micro],
-                                     advantages[i:i + micro], index=i // micro)
+                                     rewards[i:i + micro], index=i // micro)
                    for i in range(0, len(completions), micro)]
         if self.ref_model is not None:
             with torch.no_grad():
                 for b in batches:
                     b["ref_logp"] = token_logps(self.ref_model, self.to_device(b),
                                                self.grpo.temperature)[0].cpu()
-        if self.grpo.kl_in_reward:
-            self._kl_in_reward(batches)
+        self.advantages(batches)
         stats = self.strategy.all_reduce({"sum": rewards.sum().item(),
                                           "sq": rewards.pow(2).sum().item(),
                                           "n": float(rewards.numel())}, op="sum")
@@ -318,32 +317,56 @@ class GRPOTrainer(Trainer):
                             for name, scores in self._components.items()})
         return batches, metrics
 
-    def _advantages(self, rewards: torch.Tensor, completions: list[list[int]]) -> torch.Tensor:
-        """One advantage per completion (``advantage_estimator``); the whitened estimators use
-        the moments of every rank's completion tokens, so any world size gives the single-process
-        values."""
-        g = self.grpo
-        out = outcome_advantages(rewards, g.group_size, g.advantage_estimator, g.advantage_eps)
-        if g.advantage_estimator in WHITENED and not g.kl_in_reward:  # else after the KL
-            lengths = torch.tensor([float(len(c)) for c in completions])
-            out = whiten(out, self.strategy.all_reduce(token_moments(out, lengths), op="sum"))
-        return out
+    def advantages(self, batches: list[dict]) -> None:
+        """The experience stage's last step: each micro-batch's ``advantages`` from its
+        ``rewards`` (one per completion; ``--advantage_estimator``). With ``kl_in_reward`` or
+        ``gamma`` < 1 they are per token (``token_advantages``: discounted returns). The
+        whitened estimators use the moments of every rank's completion tokens, so any world size
+        gives the single-process values. Subclasses with a critic override this (PPO: GAE).
 
-    def _kl_in_reward(self, batches: list[dict]) -> None:
-        """``kl_in_reward``: each completion token is rewarded ``-kl_coef x KL`` (the policy at
-        rollout time against the reference), the completion's outcome advantage added on its last
-        token; a token's advantage is the return from it (gamma 1), whitened over every rank's
-        tokens for the REINFORCE++ estimators (OpenRLHF's ``compute_reward``,
-        ``get_cumulative_returns`` and whitening)."""
-        g, masks = self.grpo, []
+        Args:
+            batches: the rollout's micro-batches (``rewards``, maybe ``ref_logp``), set in place.
+        """
+        g = self.grpo
+        rewards = torch.cat([b["rewards"] for b in batches])
+        out = outcome_advantages(rewards, g.group_size, g.advantage_estimator, g.advantage_eps)
+        if g.per_token:
+            self.token_advantages(batches, out, lambda r, mask, _: discounted_returns(
+                r, mask, g.gamma))
+            return
+        if g.advantage_estimator in WHITENED:
+            lengths = torch.cat([_scored(b).sum(-1).float() for b in batches])
+            out = whiten(out, self.strategy.all_reduce(token_moments(out, lengths), op="sum"))
+        for b, part in zip(batches, out.split([len(b["rewards"]) for b in batches])):
+            b["advantages"] = part.clone()
+
+    def token_advantages(self, batches: list[dict], outcomes: torch.Tensor,
+                         estimate: Callable[[torch.Tensor, torch.Tensor, dict], torch.Tensor],
+                         ) -> None:
+        """Per-token advantages: each completion's ``outcomes`` entry on its last token, less
+        ``kl_coef`` x the KL (the policy at rollout time against the reference) on every token
+        with ``kl_in_reward``; ``estimate(token_rewards, mask, batch)`` turns them into
+        advantages, whitened over every rank's tokens for the whitened estimators (OpenRLHF's
+        ``compute_reward``, returns or GAE, and whitening). The rollout's own log-probs become
+        the first update's "old" ones (``old_logp``).
+
+        Args:
+            batches: the rollout's micro-batches, set in place.
+            outcomes: one outcome per completion, in batch order.
+            estimate: token rewards, their mask, the micro-batch -> advantages.
+        """
+        g, masks, offset = self.grpo, [], 0
         for b in batches:
             with torch.no_grad():  # the rollout's policy: the first update's "old" log-probs
                 old, mask = token_logps(self.model, self.to_device(b), g.temperature)
-            b["old_logp"], mask = old.detach().cpu(), mask.cpu()
-            kl = (kl_estimate(b["old_logp"], b["ref_logp"], g.kl_estimator) * mask
-                  if "ref_logp" in b else torch.zeros_like(mask))
-            rewards = outcome_token_rewards(b["advantages"].float(), mask) - g.kl_coef * kl
-            b["advantages"] = discounted_returns(rewards, mask, 1.0)
+            b["old_logp"], mask = old.detach().cpu(), mask.cpu().float()
+            rows = mask.shape[0]
+            rewards = outcome_token_rewards(outcomes[offset:offset + rows].float(), mask)
+            offset += rows
+            if g.kl_in_reward and "ref_logp" in b:
+                rewards = rewards - g.kl_coef * kl_estimate(b["old_logp"], b["ref_logp"],
+                                                            g.kl_estimator) * mask
+            b["advantages"] = estimate(rewards, mask, b)
             masks.append(mask)
         if g.advantage_estimator in WHITENED:
             scored = torch.cat([b["advantages"][m.bool()] for b, m in zip(batches, masks)])
@@ -353,7 +376,7 @@ class GRPOTrainer(Trainer):
                 b["advantages"] = whiten(b["advantages"], moments) * m
 
     def _micro_batch(self, prompts: list[list[int]], completions: list[list[int]],
-                     advantages: torch.Tensor, index: int) -> dict:
+                     rewards: torch.Tensor, index: int) -> dict:
         pad = self.tokenizer.pad_token_id
         ids = [p + c for p, c in zip(prompts, completions)]
         labels = [[IGNORE] * len(p) + c for p, c in zip(prompts, completions)]
@@ -362,13 +385,13 @@ class GRPOTrainer(Trainer):
                 "labels": torch.tensor([x + [IGNORE] * (width - len(x)) for x in labels]),
                 "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x))
                                                 for x in ids]),
-                "advantages": advantages.clone(), "rollout_index": index}
+                "rewards": rewards.clone(), "rollout_index": index}
 
     # ------------------------------------------------------------ update
     def loss_counts(self, batch: dict) -> dict[str, int]:
         if "prompt_ids" in batch:  # evaluation: prompts
             return {"samples": int(batch["prompt_ids"].shape[0])}
-        scored = (batch["labels"][:, 1:] != IGNORE).sum(dim=-1)
+        scored = _scored(batch).sum(dim=-1)
         return {"tokens": int(scored.sum()), "completions": int((scored > 0).sum())}
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
@@ -378,16 +401,24 @@ class GRPOTrainer(Trainer):
             self._old_logps[key] = batch.get("old_logp", logp.detach())  # rollout's own pass)
         ref = batch.get("ref_logp", logp.detach())
         g = self.grpo
+        low, high = g.clip_bounds
         losses, metrics = grpo_token_losses(
-            logp, self._old_logps[key], ref, batch["advantages"], mask,
-            g.clip_eps if g.clip_eps_low is None else g.clip_eps_low,
-            0.0 if g.kl_in_reward else g.kl_coef,
-            clip_eps_high=g.clip_eps if g.clip_eps_high is None else g.clip_eps_high,
-            dual_clip=g.dual_clip, kl_estimator=g.kl_estimator)
-        return self._aggregate(losses, mask), metrics
+            logp, self._old_logps[key], ref, batch["advantages"], mask, low,
+            0.0 if g.kl_in_reward else g.kl_coef, clip_eps_high=high, dual_clip=g.dual_clip,
+            kl_estimator=g.kl_estimator)
+        return self.aggregate(losses, mask), metrics
 
-    def _aggregate(self, losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """This micro-batch's share of the step's policy loss (``policy_loss_agg``)."""
+    def aggregate(self, losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's share of the step's loss over its token ``losses``
+        (``policy_loss_agg``).
+
+        Args:
+            losses: per-token losses, zero where ``mask`` is off.
+            mask: the scored (completion) tokens.
+
+        Returns:
+            The share, for ``compute_loss``.
+        """
         if self.grpo.policy_loss_agg == "token_mean":
             return self.normalize(losses.sum(), "tokens")
         if self.grpo.policy_loss_agg == "seq_mean_token_mean":
@@ -436,3 +467,8 @@ class GRPOTrainer(Trainer):
                        for t, r in zip(texts, batch["rows"]))
             out["exact_match"] = (float(hits), n)
         return out
+
+
+def _scored(batch: dict) -> torch.Tensor:
+    """A micro-batch's completion tokens (the targets of its shifted labels)."""
+    return batch["labels"][:, 1:] != IGNORE

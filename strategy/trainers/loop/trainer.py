@@ -71,7 +71,9 @@ class Trainer:
             (default: the next micro-batches of ``train_dataloader``); online RL generates its
             batches here.
         ``trained_engines() -> {name: engine}``: the engines every step backpropagates into and
-            steps (default ``{"model": self.model}``); checkpoints and exports cover them all.
+            steps (default ``{"model": self.model}``); checkpoints cover them all.
+        ``exported_engines() -> {name: engine}``: what the final export writes (default
+            ``trained_engines()``).
         ``resume_position(state) -> (epoch, steps done in it)``: where a resumed run continues
             (default: where DeepSpeed's sample count places ``train_dataloader``); trainers with
             ``resume_by_samples = False`` place their loader themselves here.
@@ -202,6 +204,15 @@ class Trainer:
             ``{"model": self.model}`` by default.
         """
         return {MAIN: self.model}
+
+    def exported_engines(self) -> dict[str, Any]:
+        """The engines the final export writes: ``model`` to ``save_path``, another ``name`` to
+        ``<save_path>_<name>``.
+
+        Returns:
+            ``trained_engines()`` by default (PPO leaves its critic out unless asked).
+        """
+        return self.trained_engines()
 
     def resume_position(self, state: Any) -> tuple[int, int]:
         """Where a resumed run continues, after its checkpoint loaded (``global_step`` is set).
@@ -493,8 +504,8 @@ class Trainer:
                                  max_shard_size=self.cfg.max_shard_size, ema=ema)
 
     def _export_all(self, path: str) -> None:
-        """Every trained engine: ``model`` to ``path``, another ``name`` to ``<path>_<name>``."""
-        for name, engine in self.trained_engines().items():
+        """Every exported engine: ``model`` to ``path``, another ``name`` to ``<path>_<name>``."""
+        for name, engine in self.exported_engines().items():
             self.save_model(path if name == MAIN else _beside(path, name), engine=engine)
 
     def save_checkpoint(self) -> None:

@@ -30,6 +30,7 @@ from strategy.trainers.losses.formulas import (
     pairwise_metrics,
     response_loss,
     simpo_losses,
+    value_token_losses,
 )
 from strategy.trainers.losses.lm import (
     forward_inputs,
@@ -37,6 +38,7 @@ from strategy.trainers.losses.lm import (
     sequence_scores,
     tiled_loss_sum,
     token_logps,
+    token_values,
 )
 
 __all__ = ["DPO_LOSSES", "ESTIMATORS", "IGNORE", "OUTCOME_ESTIMATORS", "discounted_returns",
@@ -44,4 +46,5 @@ __all__ = ["DPO_LOSSES", "ESTIMATORS", "IGNORE", "OUTCOME_ESTIMATORS", "discount
            "outcome_token_rewards", "token_moments", "whiten",
            "group_advantages", "grpo_token_losses", "kto_losses", "last_attended", "orpo_losses",
            "pairwise_losses", "pairwise_metrics", "response_loss", "sequence_scores",
-           "simpo_losses", "tiled_loss_sum", "token_logps"]
+           "simpo_losses", "tiled_loss_sum", "token_logps", "token_values",
+           "value_token_losses"]

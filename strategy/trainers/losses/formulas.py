@@ -162,3 +162,21 @@ def grpo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torc
     return losses, {"kl": _mean_pair(kl.detach()[scored]),
                     "ratio": _mean_pair(ratio.detach()[scored]),
                     "clip_fraction": _mean_pair(was_clipped)}
+
+
+def value_token_losses(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       mask: torch.Tensor, clip: float | None = None,
+                       ) -> tuple[torch.Tensor, dict]:
+    """A critic's per-token loss, ``0.5 * (value - return)^2``, zero where ``mask`` is off; with
+    ``clip`` the larger of that and the loss of the value clipped to ``old_values +- clip``
+    (OpenRLHF's ``ValueLoss``, whose 0.5 is taken here per token). Also the mean value and the
+    clipped fraction as (sum, count) over scored tokens."""
+    losses = (values - returns).pow(2)
+    scored = mask.bool()
+    metrics = {"values": _mean_pair(values.detach()[scored])}
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        clipped_losses = (clipped - returns).pow(2)
+        metrics["value_clip_fraction"] = _mean_pair((clipped_losses > losses).detach()[scored])
+        losses = torch.max(clipped_losses, losses)
+    return 0.5 * losses * mask, metrics

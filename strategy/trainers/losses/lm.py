@@ -84,6 +84,18 @@ def token_logps(engine, batch: dict,
     return logp * mask, mask
 
 
+def token_values(critic, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A value model's value (``...ForTokenClassification``, 1 label) of each state that precedes
+    a scored target, aligned with ``token_logps``, and the mask of scored ones (OpenRLHF's
+    critic reads the same positions)."""
+    values = critic(**forward_inputs(batch)).logits[..., 0]
+    targets, aligned = targets_of(batch)
+    if not aligned:
+        values = values[:, :-1]
+    mask = targets != IGNORE
+    return values.float() * mask, mask
+
+
 def last_attended(mask: torch.Tensor) -> torch.Tensor:
     """Index of each row's last position whose ``mask`` is 1 (right or left padding)."""
     return mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)

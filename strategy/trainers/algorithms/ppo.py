@@ -1,0 +1,167 @@
+"""PPO with a critic, on GRPO's experience stage (``grpo.GRPOTrainer.rollout``).
+
+A rollout samples ``group_size`` completions per prompt (1 by default, as OpenRLHF's PPO), scores
+them, and takes the reference's log-probs, as GRPO does; then the critic (a value head on a
+Hugging Face backbone, ``AutoModelForTokenClassification`` with one label) values the state before
+each completion token. Each token's reward is ``-kl_coef`` x the KL to the reference
+(``--kl_in_reward``, k1, OpenRLHF's default) plus the completion's reward on its last token; GAE
+(``--gamma``, ``--lambd``) turns rewards and values into advantages (whitened over every rank's
+completion tokens, as OpenRLHF) and returns. Every optimizer step trains both engines: the policy
+on GRPO's clipped loss, the critic on ``0.5 x (value - return)^2``, its new value clipped to
+the rollout's value ``+- value_clip`` (OpenRLHF's ``ValueLoss``), both aggregated by
+``--policy_loss_agg``.
+
+The critic is its own engine (``trained_engines``): its own Adam at ``--critic_learning_rate``
+and its own schedule, the run's ZeRO stage and offload. Checkpoints hold policy and critic
+(``<ckpt_path>`` and ``<ckpt_path>_critic``, one tag), so a resume is exact; the export writes
+the policy, and the critic to ``<save_path>_critic`` with ``--save_value_network``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+from strategy.errors import fail
+from strategy.trainers.algorithms.grpo import GRPOTrainer
+from strategy.trainers.config import ModelConfig, PPOConfig
+from strategy.trainers.losses import gae, token_values, value_token_losses
+
+CRITIC = "critic"  # the critic's engine name: checkpoints <ckpt_path>_critic, export <path>_critic
+
+
+def critic_source(ppo: PPOConfig, model: ModelConfig) -> str | None:
+    """Where the critic starts: ``--critic_pretrain``, else the reward model, else the policy's
+    ``--pretrain`` (OpenRLHF's order); None: a fresh model from ``--model_config``."""
+    return ppo.critic_pretrain or ppo.reward_pretrain or model.pretrain
+
+
+def check_critic(ppo: PPOConfig, model: ModelConfig) -> None:
+    """The critic's start can carry a 1-label value head, before any process group starts.
+
+    Raises:
+        ConfigError: its model type has no token-classification class in transformers, or its
+            checkpoint holds a classification head of another label count.
+    """
+    source = critic_source(ppo, model)
+    name = "critic_pretrain" if ppo.critic_pretrain else "pretrain"
+    if source is None:
+        with open(model.model_config) as fh:
+            kind, heads, labels = json.load(fh).get("model_type"), [], 1
+    else:
+        config = AutoConfig.from_pretrained(source)
+        kind, labels = config.model_type, config.num_labels
+        heads = [a for a in config.architectures or [] if a.endswith("Classification")]
+    if kind not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
+        fail(name, source or model.model_config, f"a {kind} model has no value-head class in "
+             "transformers (no ...ForTokenClassification); start the critic from a llama, qwen2, "
+             "mistral or gpt2-style checkpoint with --critic_pretrain")
+    if heads and labels != 1:
+        fail(name, source, f"its {heads[0]} head has {labels} labels; a critic needs a 1-label "
+             "value head: pass a reward model or a causal LM as --critic_pretrain")
+
+
+class PPOTrainer(GRPOTrainer):
+    """The policy and a critic trained together on GRPO's rollouts, advantages by GAE.
+
+    Built on the public ``Trainer`` hooks and GRPO's: ``advantages`` values the rollout and
+    runs GAE, ``compute_loss`` returns a loss per engine, ``trained_engines`` adds the critic,
+    ``exported_engines`` leaves it out unless ``save_value_network``.
+
+    Args:
+        strategy: the ``DeepSpeedStrategy``.
+        model: the policy.
+        optimizer: the policy's optimizer.
+        scheduler: its schedule.
+        train_dataloader: the prompt loader (``PROMPTS``).
+        eval_dataloader: held-out prompts, or None.
+        config: the ``TrainConfig``.
+        tokenizer: decodes completions.
+        grpo: the ``PPOConfig`` (required).
+        ref_model: the frozen reference (required when ``kl_coef`` > 0).
+        reward: ``reward(prompts, completions, rows) -> floats`` (required).
+        critic: the value model (``Run.critic()``: ``AutoModelForTokenClassification``, 1
+            label), given its own optimizer and schedule here.
+        answer_key: the row key of the reference answer for eval ``exact_match``.
+
+    Raises:
+        ConfigError: no critic, or ``grpo`` is not a ``PPOConfig``.
+    """
+
+    config_classes = (PPOConfig,)
+
+    @classmethod
+    def check_settings(cls, configs: dict, world_size: int) -> None:
+        """GRPO's refusals, and a critic start that can carry a value head.
+
+        Args:
+            configs: the parsed configs by class.
+            world_size: ranks the launcher started.
+
+        Raises:
+            ConfigError: a setting PPO cannot run with.
+        """
+        super().check_settings(configs, world_size)
+        check_critic(configs[PPOConfig], configs[ModelConfig])
+
+    def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
+                 eval_dataloader=None, config=None, tokenizer=None, grpo: PPOConfig | None = None,
+                 ref_model=None, reward=None, critic=None, answer_key: str | None = "output",
+                 ) -> None:
+        if not isinstance(grpo, PPOConfig) or critic is None:
+            fail("critic", critic, "PPOTrainer needs grpo=PPOConfig(...) and critic=<a value "
+                 "model> (Run.critic())")
+        super().__init__(strategy, model, optimizer, scheduler, train_dataloader,
+                         eval_dataloader, config, tokenizer, grpo=grpo, ref_model=ref_model,
+                         reward=reward, answer_key=answer_key)
+        critic_optimizer = strategy.create_optimizer(critic, lr=grpo.critic_learning_rate)
+        schedule = strategy.create_scheduler(critic_optimizer,
+                                             num_training_steps=max(self.total_steps(), 1))
+        self.critic = strategy.prepare((critic, critic_optimizer, schedule))
+
+    def trained_engines(self) -> dict[str, Any]:
+        return {**super().trained_engines(), CRITIC: self.critic}
+
+    def exported_engines(self) -> dict[str, Any]:
+        engines = self.trained_engines()
+        if not self.grpo.save_value_network:
+            engines.pop(CRITIC)
+        return engines
+
+    def advantages(self, batches: list[dict]) -> None:
+        """The critic's values of the rollout (``old_values``), then GAE over the per-token
+        rewards: ``advantages`` (whitened over every rank's tokens) and ``returns``.
+
+        Args:
+            batches: the rollout's micro-batches, set in place.
+        """
+        with torch.no_grad():
+            for b in batches:
+                b["old_values"] = token_values(self.critic, self.to_device(b))[0].cpu()
+        rewards = torch.cat([b["rewards"] for b in batches])
+        self.token_advantages(batches, rewards, self._gae)
+
+    def _gae(self, rewards: torch.Tensor, mask: torch.Tensor, batch: dict) -> torch.Tensor:
+        advantages, batch["returns"] = gae(rewards, batch["old_values"], mask, self.grpo.gamma,
+                                           self.grpo.lambd)
+        return advantages
+
+    def compute_loss(self, batch: dict) -> tuple[dict, dict]:
+        """The policy's clipped loss (GRPO's) and the critic's clipped value loss.
+
+        Args:
+            batch: a rollout micro-batch on the device.
+
+        Returns:
+            ``({"model": policy loss, "critic": value loss}, metrics)``.
+        """
+        policy, metrics = super().compute_loss(batch)
+        values, mask = token_values(self.critic, batch)
+        losses, value_metrics = value_token_losses(values, batch["old_values"], batch["returns"],
+                                                   mask, self.grpo.value_clip)
+        return {"model": policy, CRITIC: self.aggregate(losses, mask)}, {**metrics,
+                                                                           **value_metrics}

@@ -1,0 +1,215 @@
+"""PPO with a critic: the value loss by hand and against OpenRLHF's, the critic read at the
+positions the policy's log-probs are; at 2 ranks under ZeRO-3 both engines train, the first
+rollout's returns and advantages equal OpenRLHF's reward shaping + GAE + whitening on the same
+inputs (both ranks' tokens together), and a mid-run resume gives bit-identical policy and critic
+exports; bad settings are refused before any process group."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.support import peer_rl
+
+REWARD = "strategy.demos.toy_task:reversal_reward"
+
+
+# ------------------------------------------------------------ pure math
+
+
+def test_value_loss_by_hand_and_against_openrlhf():
+    from strategy.trainers.losses import value_token_losses
+
+    values = torch.tensor([[1.0, 0.2, 3.0], [0.0, -1.0, 5.0]])
+    old = torch.tensor([[0.0, 0.0, 0.0], [0.5, 0.0, 0.0]])
+    returns = torch.tensor([[2.0, 0.0, 1.0], [1.0, 1.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    losses, metrics = value_token_losses(values, old, returns, mask, clip=0.5)
+    # row 0: clipped values 0.5, 0.2, 0.5 -> max(1.5^2, 1^2) = 2.25 (the clip is larger); 0.04;
+    #        max(0.5^2, 2^2) = 4
+    # row 1: clipped 0.0, -0.5 -> max(1, 1) = 1; max(1.5^2, 2^2) = 4; the last token is padding
+    want = 0.5 * torch.tensor([[2.25, 0.04, 4.0], [1.0, 4.0, 0.0]])
+    torch.testing.assert_close(losses, want)
+    assert metrics["values"] == (pytest.approx(3.2), 5)
+    assert metrics["value_clip_fraction"] == (1.0, 5)  # row 0 token 0: the clipped loss is larger
+    for clip in (0.5, None):
+        ours, _ = value_token_losses(values, old, returns, mask, clip=clip)
+        theirs = peer_rl.value_loss(values, old, returns, mask, clip_eps=clip)
+        torch.testing.assert_close(ours.sum() / mask.sum(), theirs)  # token mean == OpenRLHF's
+
+
+def test_critic_values_sit_where_the_policy_log_probs_do(tmp_path):
+    """``token_values`` reads the state before each completion token, the position whose logits
+    ``token_logps`` scores (OpenRLHF's ``values[:, :-1]``)."""
+    from transformers import AutoModelForTokenClassification
+
+    from strategy.trainers.losses import IGNORE, token_logps, token_values
+    from strategy.trainers.run import hf_config
+    from tests.support.helpers import toy_root
+
+    tok = toy_root(tmp_path, n_train=4, n_test=2, model_dir="init")
+    critic = AutoModelForTokenClassification.from_config(
+        hf_config("configs/tiny_llama.json", tok, num_labels=1))
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 0], [5, 9, 10, 0, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]]),
+             "labels": torch.tensor([[IGNORE, IGNORE, 7, 8, IGNORE],
+                                     [IGNORE, 9, 10, IGNORE, IGNORE]])}
+    values, mask = token_values(critic, batch)
+    full = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert mask.tolist() == [[False, True, True, False], [True, True, False, False]]
+    assert values[0, 1].item() == full[0, 1, 0].item()  # the state before token 7 (position 2)
+    assert values[1, 0].item() == full[1, 0, 0].item() and values[0, 0].item() == 0.0
+    policy = type("Policy", (), {"__call__": lambda self, **kw: type("Out", (), {
+        "logits": torch.randn(2, 5, 11)})()})()
+    assert torch.equal(token_logps(policy, batch)[1], mask)
+
+
+# ------------------------------------------------------------ at 2 ranks
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    from tests.support.helpers import toy_root
+
+    root = tmp_path_factory.mktemp("ppo")
+    toy_root(root, n_train=45, n_test=11, model_dir="init")  # 2 rollouts of 16 per epoch
+    return root
+
+
+def _argv(root, name: str, **extra) -> list[str]:
+    args = {"zero_stage": 3, "micro_train_batch_size": 4, "train_batch_size": 16,
+            "micro_eval_batch_size": 4, "reward_fn": REWARD, "max_new_tokens": 8,
+            "max_len": 24, "learning_rate": 1e-3, "critic_learning_rate": 2e-3,
+            "lr_warmup_ratio": 0.0, "kl_coef": 0.05, "gamma": 0.9, "lambd": 0.8,
+            "value_clip": 0.2, "max_epochs": 2, "max_steps": 4, "save_steps": 2,
+            "logging_steps": 1, "seed": 3,
+            "save_value_network": True, "pretrain": f"{root}/init",
+            "dataset": f"{root}/data/train.jsonl", "eval_dataset": f"{root}/data/test.jsonl",
+            "save_path": f"{root}/{name}/model", "ckpt_path": f"{root}/{name}/ckpt",
+            "log_dir": f"{root}/{name}/logs", **extra}
+    flags = {True: "--{}", False: "--no-{}"}
+    return [flags[v].format(k) if isinstance(v, bool) else f"--{k}={v}" for k, v in args.items()]
+
+
+def ppo_run(root: str, name: str, **extra) -> dict:
+    from strategy.trainers import PPOTrainer
+    from strategy.trainers.run import Run
+
+    class Recording(PPOTrainer):
+        """Keeps the first rollout's experience (a public hook, then its result)."""
+
+        seen: list = []
+
+        def advantages(self, batches):
+            super().advantages(batches)
+            if not self.seen:
+                keys = ("rewards", "old_logp", "ref_logp", "old_values", "labels", "returns",
+                        "advantages")
+                self.seen.extend({k: b[k].tolist() for k in keys} for b in batches)
+
+    with Run.from_args(_argv(root, name, **extra), trainer=PPOTrainer) as run:
+        reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
+        trainer = run.trainer(Recording, run.model(), grpo=run.grpo, ref_model=reference,
+                              reward=run.reward(), critic=run.critic())
+        final = trainer.fit()
+    return {"history": trainer.history, "final": final, "experience": Recording.seen}
+
+
+def _openrlhf_experience(ranks_seen: list[list[dict]], kl_coef: float, gamma: float,
+                         lambd: float) -> tuple[list, list]:
+    """OpenRLHF's ``compute_reward`` (k1 KL), ``get_advantages_and_returns`` and whitening over
+    every micro-batch of every rank, from the rollout's recorded inputs."""
+    advantages, returns, masks = [], [], []
+    for seen in ranks_seen:
+        for b in seen:
+            mask = (torch.tensor(b["labels"])[:, 1:] != -100).float()
+            kl = peer_rl.compute_approx_kl(torch.tensor(b["old_logp"]),
+                                           torch.tensor(b["ref_logp"]), "k1") * mask
+            rewards = peer_rl.compute_reward(torch.tensor(b["rewards"]), kl_coef, kl, mask)
+            adv, ret = peer_rl.get_advantages_and_returns(torch.tensor(b["old_values"]),
+                                                          rewards, mask, gamma, lambd)
+            advantages.append(adv)
+            returns.append(ret)
+            masks.append(mask)
+    return [a * m for a, m in zip(peer_rl.whiten(advantages, masks), masks)], returns
+
+
+@pytest.mark.slow
+def test_ppo_zero3_trains_both_engines_matches_openrlhf_and_resumes_exactly(ranks, toy):
+    from safetensors.torch import load_file
+
+    full = ranks.run(ppo_run, str(toy), "full")
+    history = full[0]["history"]
+    assert [row["step"] for row in history] == [1, 2, 3, 4]
+    first = history[0]
+    assert first["ratio"] == 1.0 and first["value_clip_fraction"] == 0.0  # old == new at first
+    critic = [row["critic_loss"] for row in history]
+    assert all(c > 0 for c in critic) and len(set(critic)) == 4, critic
+
+    # the first rollout's experience against OpenRLHF's arithmetic on the same inputs
+    want_adv, want_ret = _openrlhf_experience([out["experience"] for out in full], 0.05, 0.9, 0.8)
+    got = [b for out in full for b in out["experience"]]
+    assert len(got) == len(want_adv) == 4  # 2 micro-batches per rank
+    for b, adv, ret in zip(got, want_adv, want_ret):
+        torch.testing.assert_close(torch.tensor(b["returns"]), ret)
+        torch.testing.assert_close(torch.tensor(b["advantages"]), adv, rtol=1e-5, atol=1e-5)
+    assert any(r != 0 for b in got for r in b["rewards"])  # the reward reached the advantages
+
+    # both engines moved: the exports differ from where they started
+    start = load_file(toy / "init" / "model.safetensors")
+    policy = load_file(toy / "full" / "model" / "model.safetensors")
+    value = load_file(toy / "full" / "model_critic" / "model.safetensors")
+    assert not torch.equal(policy["model.embed_tokens.weight"], start["model.embed_tokens.weight"])
+    assert not torch.equal(value["model.embed_tokens.weight"], start["model.embed_tokens.weight"])
+    assert set(value) - {k.replace("lm_head", "score") for k in start} <= {"score.weight"}
+
+    for ckpt in ("ckpt", "ckpt_critic"):  # both engines checkpointed at step 2 and 4
+        path = toy / "full" / ckpt
+        assert (path / "global_step2").is_dir()
+        shutil.rmtree(path / "global_step4")
+        (path / "latest").write_text("global_step2")
+    resumed = ranks.run(ppo_run, str(toy), "full", load_checkpoint=True)[0]
+    keys = ("loss", "critic_loss", "reward", "kl", "ratio", "values", "grad_norm")
+    assert [{k: r[k] for k in keys} for r in resumed["history"]] == \
+        [{k: r[k] for k in keys} for r in history[2:]]  # bit-identical
+    for name, before in (("model", policy), ("model_critic", value)):
+        after = load_file(toy / "full" / name / "model.safetensors")
+        assert after.keys() == before.keys()
+        assert all(torch.equal(after[k], before[k]) for k in before), name
+
+
+CASES = [
+    ({"critic_pretrain": "OPT"}, "is invalid: a opt model has no value-head class in "
+                                 "transformers"),
+    ({"critic_pretrain": "TWO"}, "is invalid: its LlamaForSequenceClassification head has 2 "
+                                 "labels; a critic needs a 1-label value head"),
+    ({"advantage_estimator": "rloo"}, "advantage_estimator='rloo' is invalid: use one of gae"),
+    ({"lambd": 1.5}, "lambd=1.5 is invalid: use a GAE lambda in [0, 1]"),
+    ({"gamma": 0.0}, "gamma=0.0 is invalid: use a discount in (0, 1]"),
+    ({"value_clip": -1}, "value_clip=-1.0 is invalid: use a positive range"),
+    ({"critic_learning_rate": 0}, "critic_learning_rate=0.0 is invalid: use a positive number"),
+]
+
+
+@pytest.mark.parametrize("change,message", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_bad_ppo_setting_fails_before_process_group(toy, tmp_path, monkeypatch, change,
+                                                     message):
+    from strategy.errors import ConfigError
+    from strategy.trainers import PPOTrainer
+    from strategy.trainers.run import Run
+    from tests.support.helpers import forbid_process_group
+
+    forbid_process_group(monkeypatch)
+    (tmp_path / "OPT").mkdir()
+    (tmp_path / "OPT" / "config.json").write_text(json.dumps({"model_type": "opt"}))
+    (tmp_path / "TWO").mkdir()
+    (tmp_path / "TWO" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForSequenceClassification"],
+        "id2label": {"0": "bad", "1": "good"}}))
+    change = {k: (str(tmp_path / v) if v in ("OPT", "TWO") else v) for k, v in change.items()}
+    with pytest.raises(ConfigError) as info:
+        Run.from_args(_argv(toy, "refused", **change), trainer=PPOTrainer)
+    assert message in str(info.value) and "\n" not in str(info.value)
