@@ -15,10 +15,7 @@ from strategy.trainers.run import Run
 def main(argv: list[str] | None = None) -> dict:
     with Run.from_args(argv, trainer=GRPOTrainer) as run:
         model = run.model()
-        reference = None
-        if run.grpo.kl_coef > 0:
-            reference = run.strategy.from_pretrained(
-                run.model_cfg.ref_pretrain or run.model_cfg.pretrain, frozen=True)
+        reference = run.reference(model) if run.grpo.kl_coef > 0 else None  # the KL's anchor
         trainer = run.trainer(GRPOTrainer, model, grpo=run.grpo, ref_model=reference,
                               reward=run.reward(), answer_key=run.data.output_key)
         return trainer.fit()

@@ -3,6 +3,8 @@ and precision. Each method hands its work to the subsystem that owns it."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import socket
 from contextlib import nullcontext
@@ -89,6 +91,28 @@ class DeepSpeedStrategy:
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         # an escaping exception still needs the failure hook: it names the rank and exits at once
         self.close(keep_failure_hook=exc_type is not None)
+
+    def derive(self, **changes: Any) -> DeepSpeedStrategy:
+        """A strategy for another trained engine of this run with ZeRO settings of its own (a PPO
+        critic at another stage or offload): ``changes`` to the ``StrategyConfig``. It shares this
+        one's process group, optimizer settings, checkpoint storage and parallel groups; the
+        models it builds are partitioned as its own stage says, whatever this one's. Close only
+        the strategy it came from.
+
+        Args:
+            **changes: ``StrategyConfig`` fields, e.g. ``zero_stage=3, adam_offload=True``.
+
+        Returns:
+            The derived strategy.
+
+        Raises:
+            ConfigError: the changed config is invalid (one line naming the field).
+        """
+        child = copy.copy(self)
+        child.config = dataclasses.replace(self.config, **changes)
+        child.models = ModelFactory(child.config.zero_stage, lambda: child.ds_config,
+                                    lambda: child.eval_ds_config, transient=True)
+        return child
 
     # ------------------------------------------------------------ ranks
     def setup_distributed(self, timeout: timedelta | float | None = None) -> None:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations import HfDeepSpeedConfig
+from transformers.integrations import deepspeed as hf_deepspeed
 from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from strategy.checkpoint.safe_load import check_safetensors_dir
@@ -40,17 +42,38 @@ def construction_config(ds_config: dict) -> dict:
     return {k: v for k, v in ds_config.items() if k != "train_batch_size"}
 
 
+@contextmanager
+def construction_hook(ds_config: dict | None) -> Iterator[None]:
+    """transformers' ZeRO-3 construction hook for ``ds_config`` (None: no hook) inside the block,
+    whatever hook was live before, and that one again after."""
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref  # transformers keeps one, as a weakref
+    previous = ref() if ref is not None else None
+    hook = HfDeepSpeedConfig(construction_config(ds_config)) if ds_config else None
+    if hook is None:
+        unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        del hook
+        if previous is not None:
+            set_hf_deepspeed_config(previous)
+        else:
+            unset_hf_deepspeed_config()
+
+
 class ModelFactory:
     """Builds the models a run trains and the frozen ones it only runs forwards through, each
     partitioned at construction when its engine runs ZeRO-3.
 
     transformers builds inside ``deepspeed.zero.Init`` while an ``HfDeepSpeedConfig`` is alive;
     the training config's hook is kept from the first ZeRO-3 model until ``close()``, a frozen
-    model's (its eval engine's config) only while that model is built."""
+    model's (its eval engine's config) only while that model is built. A ``transient`` factory
+    (an engine with ZeRO settings of its own, ``DeepSpeedStrategy.derive``) keeps none: it builds
+    under its own stage's hook, or none, and leaves the run's hook as it found it."""
 
     def __init__(self, zero_stage: int, ds_config: Callable[[], dict],
-                 eval_ds_config: Callable[[], dict]) -> None:
-        self.zero_stage = zero_stage
+                 eval_ds_config: Callable[[], dict], transient: bool = False) -> None:
+        self.zero_stage, self.transient = zero_stage, transient
         self.ds_config, self.eval_ds_config = ds_config, eval_ds_config
         self._train_hook: HfDeepSpeedConfig | None = None
 
@@ -61,6 +84,9 @@ class ModelFactory:
             eval_config = self.eval_ds_config()
             if eval_config["zero_optimization"]["stage"] == 3:
                 return self._build_frozen(eval_config, name_or_config, auto_cls, dtype, **kwargs)
+        if self.transient:
+            with construction_hook(self.ds_config() if self.zero_stage == 3 else None):
+                return build_hf_model(name_or_config, auto_cls, dtype, **kwargs)
         if self.zero_stage == 3 and self._train_hook is None:
             self._train_hook = HfDeepSpeedConfig(construction_config(self.ds_config()))
         return build_hf_model(name_or_config, auto_cls, dtype, **kwargs)

@@ -51,8 +51,9 @@ def test_critic_values_sit_where_the_policy_log_probs_do(tmp_path):
     from tests.support.helpers import toy_root
 
     tok = toy_root(tmp_path, n_train=4, n_test=2, model_dir="init")
-    critic = AutoModelForTokenClassification.from_config(
-        hf_config("configs/tiny_llama.json", tok, num_labels=1))
+    config = hf_config("configs/tiny_llama.json", tok, num_labels=1)
+    config.classifier_dropout = 0.0  # as Run.critic builds it
+    critic = AutoModelForTokenClassification.from_config(config)
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 0], [5, 9, 10, 0, 0]]),
              "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]]),
              "labels": torch.tensor([[IGNORE, IGNORE, 7, 8, IGNORE],
@@ -181,6 +182,62 @@ def test_ppo_zero3_trains_both_engines_matches_openrlhf_and_resumes_exactly(rank
         assert all(torch.equal(after[k], before[k]) for k in before), name
 
 
+def mixed_stages(root: str) -> dict:
+    """The policy at ZeRO-2, the critic at its own ZeRO-3 with CPU Adam: what each engine is."""
+    from strategy.internals import is_zero3_param
+    from strategy.trainers import PPOTrainer
+    from strategy.trainers.run import Run
+
+    argv = _argv(root, "mixed", zero_stage=2, critic_zero_stage=3, critic_adam_offload=True,
+                 max_steps=2, save_steps=-1, save_value_network=False)
+    with Run.from_args(argv, trainer=PPOTrainer) as run:
+        reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
+        trainer = run.trainer(PPOTrainer, run.model(), grpo=run.grpo, ref_model=reference,
+                              reward=run.reward(), critic=run.critic())
+        trainer.fit()
+        engines = {"model": trainer.model, "critic": trainer.critic}
+        return {"stage": {k: e.zero_optimization_stage() for k, e in engines.items()},
+                "partitioned": {k: any(is_zero3_param(p) for p in e.module.parameters())
+                                for k, e in engines.items()},
+                "adam": {k: type(e.basic_optimizer).__name__ for k, e in engines.items()},
+                "head": (trainer.critic.module.dropout.p, trainer.critic.module.score.bias),
+                "history": trainer.history}
+
+
+@pytest.mark.slow
+def test_the_critic_runs_at_its_own_zero_stage_and_offload(ranks, toy):
+    out = ranks.run(mixed_stages, str(toy))[0]
+    assert out["stage"] == {"model": 2, "critic": 3}
+    assert out["partitioned"] == {"model": False, "critic": True}  # built as its stage says
+    assert out["adam"] == {"model": "FusedAdam", "critic": "DeepSpeedCPUAdam"}
+    assert out["head"] == (0.0, None)  # no dropout (old and new values agree), no bias
+    losses = [row["critic_loss"] for row in out["history"]]
+    assert len(losses) == 2 and losses[0] != losses[1] and all(v > 0 for v in losses)
+    assert not (toy / "mixed" / "model_critic").exists()  # no --save_value_network: no export
+
+
+def test_a_derived_factory_leaves_the_runs_construction_hook_as_it_found_it():
+    from transformers.integrations.deepspeed import (
+        deepspeed_config,
+        is_deepspeed_zero3_enabled,
+        unset_hf_deepspeed_config,
+    )
+
+    from strategy.model import construction_hook
+
+    stage = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    with construction_hook(stage):  # the run's hook (a ZeRO-3 policy)
+        run_hook = deepspeed_config()
+        with construction_hook(None):  # a ZeRO-2 critic builds without one
+            assert not is_deepspeed_zero3_enabled()
+        assert deepspeed_config() is run_hook and is_deepspeed_zero3_enabled()
+        with construction_hook({**stage, "zero_optimization": {"stage": 3, "x": 1}}):
+            assert deepspeed_config()["zero_optimization"]["x"] == 1
+        assert deepspeed_config() is run_hook
+    assert not is_deepspeed_zero3_enabled()  # none before, none after
+    unset_hf_deepspeed_config()
+
+
 CASES = [
     ({"critic_pretrain": "OPT"}, "is invalid: a opt model has no value-head class in "
                                  "transformers"),
@@ -191,6 +248,9 @@ CASES = [
     ({"gamma": 0.0}, "gamma=0.0 is invalid: use a discount in (0, 1]"),
     ({"value_clip": -1}, "value_clip=-1.0 is invalid: use a positive range"),
     ({"critic_learning_rate": 0}, "critic_learning_rate=0.0 is invalid: use a positive number"),
+    ({"critic_zero_stage": 4}, "critic_zero_stage=4 is invalid: use 0, 1, 2 or 3"),
+    ({"critic_zero_stage": 0, "critic_adam_offload": True}, "critic_adam_offload=True is invalid: "
+                                                            "optimizer offload needs ZeRO"),
 ]
 
 

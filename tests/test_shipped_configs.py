@@ -76,6 +76,7 @@ CONFIGS = [
     ("train_sft", "configs/grpo_sft.yaml", ()),
     ("train_grpo", "configs/grpo_toy.yaml", ()),
     ("train_grpo", "configs/reinforce_pp_toy.yaml", ()),
+    ("train_ppo", "configs/ppo_toy.yaml", ()),
 ]
 
 

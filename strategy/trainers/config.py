@@ -474,8 +474,20 @@ class PPOConfig(GRPOConfig):
     critic_learning_rate: float = doc("PPO: the critic's peak learning rate (its own Adam and "
                                       "schedule)", 9e-6)
     save_value_network: bool = doc("PPO: also export the critic to <save_path>_critic", False)
+    critic_zero_stage: int | None = doc("PPO: the critic's ZeRO stage (None: --zero_stage)", None)
+    critic_adam_offload: bool | None = doc("PPO: keep the critic's optimizer states on CPU "
+                                           "(None: --adam_offload)", None)
 
     estimators = ("gae",)
+
+    def critic_settings(self) -> dict:
+        """The critic's own ``StrategyConfig`` changes (for ``DeepSpeedStrategy.derive``).
+
+        Returns:
+            ``zero_stage`` and ``adam_offload`` where set.
+        """
+        out = {"zero_stage": self.critic_zero_stage, "adam_offload": self.critic_adam_offload}
+        return {k: v for k, v in out.items() if v is not None}
 
     def __post_init__(self) -> None:
         super().__post_init__()

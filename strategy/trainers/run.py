@@ -37,7 +37,7 @@ from strategy.optim import OptimConfig
 from strategy.parallel import check_sequence_parallel, check_tensor_parallel
 from strategy.quant import check_four_bit, four_bit_config, prepare_four_bit
 from strategy.trainers.algorithms.grpo import GRPOConfig, GRPOTrainer
-from strategy.trainers.algorithms.ppo import critic_source
+from strategy.trainers.algorithms.ppo import critic_source, critic_strategy
 from strategy.trainers.algorithms.preference import check_reference_source
 from strategy.trainers.algorithms.rewards import CallableReward, ModelReward, Rewards
 from strategy.trainers.algorithms.sft import TILE_VOCAB
@@ -196,9 +196,9 @@ class Run:
         return self.configs[cls]
 
     def reference(self, model):
-        """The frozen reference of DPO and KTO: ``--ref_pretrain``, else ``--pretrain`` loaded
-        again (in 4-bit too with ``--load_in_4bit``); from ``--model_config``, a copy of
-        ``model``'s fresh weights (ZeRO 0-2, no LoRA).
+        """The frozen reference of DPO, KTO and the on-policy KL: ``--ref_pretrain``, else
+        ``--pretrain`` loaded again (in 4-bit too with ``--load_in_4bit``); from
+        ``--model_config``, a copy of ``model``'s fresh weights (ZeRO 0-2, no LoRA).
 
         Args:
             model: the policy (from ``Run.model``), copied when there is no checkpoint to load.
@@ -237,7 +237,8 @@ class Run:
         """PPO's value model: ``AutoModelForTokenClassification`` with one label and no dropout
         or bias on its head (OpenRLHF's critic head), from ``critic_source`` (a reward model's
         ``score`` head loads as it is; a causal LM gets a new one), or fresh from
-        ``--model_config``.
+        ``--model_config``; partitioned at construction when its own stage
+        (``--critic_zero_stage``) is 3.
 
         Returns:
             The critic (not yet an engine: ``PPOTrainer`` prepares it).
@@ -249,8 +250,8 @@ class Run:
             config = AutoConfig.from_pretrained(source, num_labels=1)
         config.classifier_dropout, config.token_classification_bias = 0.0, False
         kwargs = {} if source is None else {"config": config}
-        model = self.strategy.from_pretrained(source or config, AutoModelForTokenClassification,
-                                              **self.attention(), **kwargs)
+        model = critic_strategy(self.strategy, self.grpo).from_pretrained(
+            source or config, AutoModelForTokenClassification, **self.attention(), **kwargs)
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         return model

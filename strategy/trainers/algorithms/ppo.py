@@ -12,13 +12,16 @@ the rollout's value ``+- value_clip`` (OpenRLHF's ``ValueLoss``), both aggregate
 ``--policy_loss_agg``.
 
 The critic is its own engine (``trained_engines``): its own Adam at ``--critic_learning_rate``
-and its own schedule, the run's ZeRO stage and offload. Checkpoints hold policy and critic
-(``<ckpt_path>`` and ``<ckpt_path>_critic``, one tag), so a resume is exact; the export writes
-the policy, and the critic to ``<save_path>_critic`` with ``--save_value_network``.
+and its own schedule, at the run's ZeRO stage and offload or its own (``--critic_zero_stage``,
+``--critic_adam_offload``: ``critic_strategy``, a ``DeepSpeedStrategy.derive`` of the run's).
+Checkpoints hold policy and critic (``<ckpt_path>`` and ``<ckpt_path>_critic``, one tag), so a
+resume is exact; the export writes the policy, and the critic to ``<save_path>_critic`` with
+``--save_value_network``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -26,7 +29,8 @@ import torch
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
 
-from strategy.errors import fail
+from strategy.config import StrategyConfig
+from strategy.errors import ConfigError, fail
 from strategy.trainers.algorithms.grpo import GRPOTrainer
 from strategy.trainers.config import ModelConfig, PPOConfig
 from strategy.trainers.losses import gae, token_values, value_token_losses
@@ -40,13 +44,26 @@ def critic_source(ppo: PPOConfig, model: ModelConfig) -> str | None:
     return ppo.critic_pretrain or ppo.reward_pretrain or model.pretrain
 
 
-def check_critic(ppo: PPOConfig, model: ModelConfig) -> None:
-    """The critic's start can carry a 1-label value head, before any process group starts.
+def critic_strategy(strategy, ppo: PPOConfig):
+    """The strategy the critic is built, optimized and prepared with: ``strategy`` itself, or a
+    ``derive`` of it with ``--critic_zero_stage`` / ``--critic_adam_offload``."""
+    settings = ppo.critic_settings()
+    return strategy.derive(**settings) if settings else strategy
+
+
+def check_critic(ppo: PPOConfig, model: ModelConfig, run: StrategyConfig) -> None:
+    """The critic's own ZeRO settings are valid, and its start can carry a 1-label value head,
+    before any process group starts.
 
     Raises:
-        ConfigError: its model type has no token-classification class in transformers, or its
-            checkpoint holds a classification head of another label count.
+        ConfigError: a bad ``critic_*`` setting, a model type with no token-classification class
+            in transformers, or a checkpoint holding a classification head of another label
+            count.
     """
+    try:
+        dataclasses.replace(run, **ppo.critic_settings())
+    except ConfigError as error:  # StrategyConfig names its own field: the critic's is meant
+        raise ConfigError(f"critic_{error}") from None
     source = critic_source(ppo, model)
     name = "critic_pretrain" if ppo.critic_pretrain else "pretrain"
     if source is None:
@@ -106,7 +123,7 @@ class PPOTrainer(GRPOTrainer):
             ConfigError: a setting PPO cannot run with.
         """
         super().check_settings(configs, world_size)
-        check_critic(configs[PPOConfig], configs[ModelConfig])
+        check_critic(configs[PPOConfig], configs[ModelConfig], configs[StrategyConfig])
 
     def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config=None, tokenizer=None, grpo: PPOConfig | None = None,
@@ -118,10 +135,11 @@ class PPOTrainer(GRPOTrainer):
         super().__init__(strategy, model, optimizer, scheduler, train_dataloader,
                          eval_dataloader, config, tokenizer, grpo=grpo, ref_model=ref_model,
                          reward=reward, answer_key=answer_key)
-        critic_optimizer = strategy.create_optimizer(critic, lr=grpo.critic_learning_rate)
-        schedule = strategy.create_scheduler(critic_optimizer,
-                                             num_training_steps=max(self.total_steps(), 1))
-        self.critic = strategy.prepare((critic, critic_optimizer, schedule))
+        own = critic_strategy(strategy, grpo)  # the critic's ZeRO stage and offload
+        critic_optimizer = own.create_optimizer(critic, lr=grpo.critic_learning_rate)
+        schedule = own.create_scheduler(critic_optimizer,
+                                        num_training_steps=max(self.total_steps(), 1))
+        self.critic = own.prepare((critic, critic_optimizer, schedule))
 
     def trained_engines(self) -> dict[str, Any]:
         return {**super().trained_engines(), CRITIC: self.critic}
