@@ -192,13 +192,14 @@ def mixed_stages(root: str) -> dict:
                  max_steps=2, save_steps=-1, save_value_network=False)
     with Run.from_args(argv, trainer=PPOTrainer) as run:
         reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
-        trainer = run.trainer(PPOTrainer, run.model(), grpo=run.grpo, ref_model=reference,
-                              reward=run.reward(), critic=run.critic())
+        built = {"model": run.model(), "critic": run.critic()}  # each built as its stage says
+        partitioned = {k: any(is_zero3_param(p) for p in m.parameters()) for k, m in built.items()}
+        trainer = run.trainer(PPOTrainer, built["model"], grpo=run.grpo, ref_model=reference,
+                              reward=run.reward(), critic=built["critic"])
         trainer.fit()
         engines = {"model": trainer.model, "critic": trainer.critic}
         return {"stage": {k: e.zero_optimization_stage() for k, e in engines.items()},
-                "partitioned": {k: any(is_zero3_param(p) for p in e.module.parameters())
-                                for k, e in engines.items()},
+                "partitioned": partitioned,
                 "adam": {k: type(e.basic_optimizer).__name__ for k, e in engines.items()},
                 "head": (trainer.critic.module.dropout.p, trainer.critic.module.score.bias),
                 "history": trainer.history}
@@ -208,7 +209,7 @@ def mixed_stages(root: str) -> dict:
 def test_the_critic_runs_at_its_own_zero_stage_and_offload(ranks, toy):
     out = ranks.run(mixed_stages, str(toy))[0]
     assert out["stage"] == {"model": 2, "critic": 3}
-    assert out["partitioned"] == {"model": False, "critic": True}  # built as its stage says
+    assert out["partitioned"] == {"model": False, "critic": True}  # at construction already
     assert out["adam"] == {"model": "FusedAdam", "critic": "DeepSpeedCPUAdam"}
     assert out["head"] == (0.0, None)  # no dropout (old and new values agree), no bias
     losses = [row["critic_loss"] for row in out["history"]]
