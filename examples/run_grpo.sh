@@ -29,5 +29,5 @@ grpo_s=$((SECONDS - start))
 python -m strategy.demos.toy_task evaluate "$OUT/model" "$OUT/data/test.jsonl" | tee "$OUT/after.txt"
 before=$(grep -o "accuracy: [0-9.]*%" "$OUT/before.txt")
 after=$(grep -o "accuracy: [0-9.]*%" "$OUT/after.txt")
-echo "[${TRAINER:-grpo} run] SFT ${sft_s} s: held-out exact match ${before#accuracy: }; GRPO ${grpo_s} s:" \
+echo "[${TRAINER:-grpo} run] SFT ${sft_s} s: held-out exact match ${before#accuracy: }; ${TRAINER:-grpo} ${grpo_s} s:" \
      "${after#accuracy: } (logs: $OUT/logs)"

@@ -222,15 +222,16 @@ def model_reward_run(root: str) -> dict:
     reward function: the model's scores of some texts of very different lengths, and the run's
     history (each reward logged on its own). The update runs the non-default
     choices (REINFORCE++-baseline advantages whitened over both ranks, the GRPO paper's
-    per-completion mean, DAPO's clip-higher, dual clip, a k2 KL in the token rewards): their math
-    is checked in tests/test_advantages.py, here that they run at 2 ranks."""
+    per-completion mean, DAPO's clip-higher, dual clip, a k2 KL in the token rewards, discounted
+    returns): their math is checked in tests/test_advantages.py, here that they run at 2 ranks."""
     from strategy.trainers import GRPOTrainer
     from strategy.trainers.run import Run
 
     argv = _argv(root, "rm_run", zero_stage=3, reward_pretrain=f"{root}/rm",
                  reward_weights="0.5,1.0", ref_offload=True, max_steps=2,
                  advantage_estimator="reinforce_baseline", policy_loss_agg="seq_mean_token_mean",
-                 clip_eps_high=0.28, dual_clip=3.0, kl_estimator="k2", kl_in_reward=True)
+                 clip_eps_high=0.28, dual_clip=3.0, kl_estimator="k2", kl_in_reward=True,
+                 gamma=0.9)
     with Run.from_args(argv, grpo=True) as run:
         reward = run.reward()
         prompts, completions = ["ab=", "abcdef=", "q="], ["ba", "fedcbaxyzxyz", ""]
