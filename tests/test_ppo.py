@@ -244,6 +244,8 @@ CASES = [
                                  "transformers"),
     ({"critic_pretrain": "TWO"}, "is invalid: its LlamaForSequenceClassification head has 2 "
                                  "labels; a critic needs a 1-label value head"),
+    ({"critic_pretrain": "EMPTY"}, "is invalid: the critic starts from it, but it holds no model "
+                                   "config.json"),
     ({"advantage_estimator": "rloo"}, "advantage_estimator='rloo' is invalid: use one of gae"),
     ({"lambd": 1.5}, "lambd=1.5 is invalid: use a GAE lambda in [0, 1]"),
     ({"gamma": 0.0}, "gamma=0.0 is invalid: use a discount in (0, 1]"),
@@ -270,7 +272,9 @@ def test_bad_ppo_setting_fails_before_process_group(toy, tmp_path, monkeypatch, 
     (tmp_path / "TWO" / "config.json").write_text(json.dumps({
         "model_type": "llama", "architectures": ["LlamaForSequenceClassification"],
         "id2label": {"0": "bad", "1": "good"}}))
-    change = {k: (str(tmp_path / v) if v in ("OPT", "TWO") else v) for k, v in change.items()}
+    (tmp_path / "EMPTY").mkdir()
+    change = {k: (str(tmp_path / v) if v in ("OPT", "TWO", "EMPTY") else v)
+              for k, v in change.items()}
     with pytest.raises(ConfigError) as info:
         Run.from_args(_argv(toy, "refused", **change), trainer=PPOTrainer)
     assert message in str(info.value) and "\n" not in str(info.value)

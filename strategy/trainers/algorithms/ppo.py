@@ -65,12 +65,18 @@ def check_critic(ppo: PPOConfig, model: ModelConfig, run: StrategyConfig) -> Non
     except ConfigError as error:  # StrategyConfig names its own field: the critic's is meant
         raise ConfigError(f"critic_{error}") from None
     source = critic_source(ppo, model)
-    name = "critic_pretrain" if ppo.critic_pretrain else "pretrain"
+    name = next(n for n, v in (("critic_pretrain", ppo.critic_pretrain),
+                               ("reward_pretrain", ppo.reward_pretrain), ("pretrain", source))
+                if v == source)
     if source is None:
         with open(model.model_config) as fh:
             kind, heads, labels = json.load(fh).get("model_type"), [], 1
     else:
-        config = AutoConfig.from_pretrained(source)
+        try:
+            config = AutoConfig.from_pretrained(source)
+        except (OSError, ValueError):  # no such directory, or no model config in it
+            fail(name, source, "the critic starts from it, but it holds no model config.json; "
+                 "pass a model directory (an SFT or reward model export) as --critic_pretrain")
         kind, labels = config.model_type, config.num_labels
         heads = [a for a in config.architectures or [] if a.endswith("Classification")]
     if kind not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
