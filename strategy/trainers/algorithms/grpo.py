@@ -59,6 +59,7 @@ from strategy.trainers.losses import (
     kl_estimate,
     outcome_advantages,
     outcome_token_rewards,
+    scored_mask,
     token_logps,
     token_moments,
     whiten,
@@ -335,7 +336,7 @@ class GRPOTrainer(Trainer):
                 r, mask, g.gamma))
             return
         if g.advantage_estimator in WHITENED:
-            lengths = torch.cat([_scored(b).sum(-1).float() for b in batches])
+            lengths = torch.cat([scored_mask(b).sum(-1).float() for b in batches])
             out = whiten(out, self.strategy.all_reduce(token_moments(out, lengths), op="sum"))
         for b, part in zip(batches, out.split([len(b["rewards"]) for b in batches])):
             b["advantages"] = part.clone()
@@ -347,8 +348,8 @@ class GRPOTrainer(Trainer):
         ``kl_coef`` x the KL (the policy at rollout time against the reference) on every token
         with ``kl_in_reward``; ``estimate(token_rewards, mask, batch)`` turns them into
         advantages, whitened over every rank's tokens for the whitened estimators (OpenRLHF's
-        ``compute_reward``, returns or GAE, and whitening). The rollout's own log-probs become
-        the first update's "old" ones (``old_logp``).
+        ``compute_reward``, returns or GAE, and whitening). The KL's policy log-probs (this
+        rollout's pass) become the first update's "old" ones (``old_logp``).
 
         Args:
             batches: the rollout's micro-batches, set in place.
@@ -357,13 +358,14 @@ class GRPOTrainer(Trainer):
         """
         g, masks, offset = self.grpo, [], 0
         for b in batches:
-            with torch.no_grad():  # the rollout's policy: the first update's "old" log-probs
-                old, mask = token_logps(self.model, self.to_device(b), g.temperature)
-            b["old_logp"], mask = old.detach().cpu(), mask.cpu().float()
+            mask = scored_mask(b).float()
             rows = mask.shape[0]
             rewards = outcome_token_rewards(outcomes[offset:offset + rows].float(), mask)
             offset += rows
-            if g.kl_in_reward and "ref_logp" in b:
+            if g.kl_in_reward and "ref_logp" in b:  # the rollout's policy against the reference
+                with torch.no_grad():
+                    b["old_logp"] = token_logps(self.model, self.to_device(b),
+                                                g.temperature)[0].cpu()
                 rewards = rewards - g.kl_coef * kl_estimate(b["old_logp"], b["ref_logp"],
                                                             g.kl_estimator) * mask
             b["advantages"] = estimate(rewards, mask, b)
@@ -391,7 +393,7 @@ class GRPOTrainer(Trainer):
     def loss_counts(self, batch: dict) -> dict[str, int]:
         if "prompt_ids" in batch:  # evaluation: prompts
             return {"samples": int(batch["prompt_ids"].shape[0])}
-        scored = _scored(batch).sum(dim=-1)
+        scored = scored_mask(batch).sum(dim=-1)
         return {"tokens": int(scored.sum()), "completions": int((scored > 0).sum())}
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
@@ -467,8 +469,3 @@ class GRPOTrainer(Trainer):
                        for t, r in zip(texts, batch["rows"]))
             out["exact_match"] = (float(hits), n)
         return out
-
-
-def _scored(batch: dict) -> torch.Tensor:
-    """A micro-batch's completion tokens (the targets of its shifted labels)."""
-    return batch["labels"][:, 1:] != IGNORE

@@ -65,9 +65,8 @@ def check_critic(ppo: PPOConfig, model: ModelConfig, run: StrategyConfig) -> Non
     except ConfigError as error:  # StrategyConfig names its own field: the critic's is meant
         raise ConfigError(f"critic_{error}") from None
     source = critic_source(ppo, model)
-    name = next(n for n, v in (("critic_pretrain", ppo.critic_pretrain),
-                               ("reward_pretrain", ppo.reward_pretrain), ("pretrain", source))
-                if v == source)
+    name = ("critic_pretrain" if ppo.critic_pretrain else
+            "reward_pretrain" if ppo.reward_pretrain else "pretrain")  # where source came from
     if source is None:
         with open(model.model_config) as fh:
             kind, heads, labels = json.load(fh).get("model_type"), [], 1

@@ -40,6 +40,18 @@ def targets_of(batch: dict) -> tuple[torch.Tensor, bool]:
     return batch["labels"][:, 1:], False
 
 
+def at_targets(per_position: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``per_position`` (rows x positions x ...) cut to the positions that predict a target, and
+    those targets."""
+    targets, aligned = targets_of(batch)
+    return (per_position if aligned else per_position[:, :-1]), targets
+
+
+def scored_mask(batch: dict) -> torch.Tensor:
+    """Which positions of ``at_targets`` are scored (their target is not ``IGNORE``)."""
+    return targets_of(batch)[0] != IGNORE
+
+
 def logits_bytes(rows: int, length: int, vocab: int) -> int:
     """The fp32 logits a plain forward would hold."""
     return rows * length * vocab * 4
@@ -55,10 +67,7 @@ def tiled_loss_sum(engine, batch: dict, chunk_tokens: int, max_tokens: int) -> t
     model = base_model(engine.module)
     backbone = getattr(model, model.base_model_prefix)
     head = model.get_output_embeddings()
-    hidden = backbone(**forward_inputs(batch)).last_hidden_state
-    targets, aligned = targets_of(batch)
-    if not aligned:
-        hidden = hidden[:, :-1]
+    hidden, targets = at_targets(backbone(**forward_inputs(batch)).last_hidden_state, batch)
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
     for index in range(math.ceil(max_tokens / chunk_tokens)):
@@ -74,10 +83,7 @@ def token_logps(engine, batch: dict,
                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position log-probability of each next-token target, and the mask of scored ones;
     ``temperature`` scales the logits first (the distribution a sampler drew from)."""
-    logits = engine(**forward_inputs(batch)).logits
-    targets, aligned = targets_of(batch)
-    if not aligned:
-        logits = logits[:, :-1]
+    logits, targets = at_targets(engine(**forward_inputs(batch)).logits, batch)
     mask = targets != IGNORE
     picked = targets.clamp(min=0).unsqueeze(-1)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, picked).squeeze(-1)
@@ -88,10 +94,7 @@ def token_values(critic, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """A value model's value (``...ForTokenClassification``, 1 label) of each state that precedes
     a scored target, aligned with ``token_logps``, and the mask of scored ones (OpenRLHF's
     critic reads the same positions)."""
-    values = critic(**forward_inputs(batch)).logits[..., 0]
-    targets, aligned = targets_of(batch)
-    if not aligned:
-        values = values[:, :-1]
+    values, targets = at_targets(critic(**forward_inputs(batch)).logits[..., 0], batch)
     mask = targets != IGNORE
     return values.float() * mask, mask
 
