@@ -253,7 +253,8 @@ CASES = [
     ({"critic_learning_rate": 0}, "critic_learning_rate=0.0 is invalid: use a positive number"),
     ({"critic_zero_stage": 4}, "critic_zero_stage=4 is invalid: use 0, 1, 2 or 3"),
     ({"critic_zero_stage": 0, "critic_adam_offload": True}, "critic_adam_offload=True is invalid: "
-                                                            "optimizer offload needs ZeRO"),
+                                                            "optimizer offload needs ZeRO; set "
+                                                            "--critic_zero_stage 1, 2 or 3"),
 ]
 
 

@@ -62,8 +62,11 @@ def check_critic(ppo: PPOConfig, model: ModelConfig, run: StrategyConfig) -> Non
     """
     try:
         dataclasses.replace(run, **ppo.critic_settings())
-    except ConfigError as error:  # StrategyConfig names its own field: the critic's is meant
-        raise ConfigError(f"critic_{error}") from None
+    except ConfigError as error:  # StrategyConfig names its own flags: the critic's are meant
+        message = f"critic_{error}"
+        for flag in ("--zero_stage", "--adam_offload"):
+            message = message.replace(flag, flag.replace("--", "--critic_"))
+        raise ConfigError(message) from None
     source = critic_source(ppo, model)
     name = ("critic_pretrain" if ppo.critic_pretrain else
             "reward_pretrain" if ppo.reward_pretrain else "pretrain")  # where source came from
