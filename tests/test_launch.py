@@ -1,5 +1,5 @@
-"""The same script under the deepspeed launcher (one node, and Slurm), torchrun, and a plain single
-process."""
+"""The same script under the deepspeed launcher (one node, and Slurm) and as a plain single process
+(torchrun: tests/test_default_run.py, tests/test_faults.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from strategy.dist import free_port
-from tests.support.helpers import run_job, torchrun_command
+from tests.support.helpers import run_job
 from tests.support.ranks import shm_buffers
 
 PROBE = "tests/scripts/launch_probe.py"
@@ -54,10 +54,9 @@ def test_deepspeed_launcher_zero3():
 
 
 @pytest.mark.slow
-def test_torchrun_and_single_process():
-    port = free_port()
-    out = _run(torchrun_command(PROBE, "--zero_stage", "2", port=port), port)
-    assert sorted(r["rank"] for r in out) == ["0", "1"] and {r["stage"] for r in out} == {"2"}
+def test_single_process_without_a_launcher():
+    """A plain ``python script.py``: one rank, no launcher variables. (torchrun launches the
+    README's main job in tests/test_default_run.py and the fault jobs in tests/test_faults.py.)"""
     env_free = {
         k: v
         for k, v in os.environ.items()

@@ -113,6 +113,32 @@ def _fault_train(flags: list[str]) -> None:
     load_script(SCRIPT)["main"](flags)
 
 
+def _as_two_nodes(flags: list[str]) -> str:
+    """In a rank of the ``ranks`` pool, as one rank of each of two nodes (what the deepspeed
+    launcher sets on ``--no_ssh`` nodes of one slot): the script's ``main`` on ``flags``; a
+    refusal comes back as its message (the pool stays up)."""
+    from strategy.errors import StrategyError
+
+    saved = {k: os.environ.get(k) for k in ("LOCAL_SIZE", "LOCAL_RANK")}
+    os.environ.update(LOCAL_SIZE="1", LOCAL_RANK="0")
+    try:
+        _fault_train(flags)
+        return ""
+    except StrategyError as e:
+        return str(e)
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.update({key: value})
+
+
+def _on_own_disk(flags: list[str], path: str, disks: list[str]) -> str:
+    """``_as_two_nodes`` with each rank's own disk at ``path`` (node-local storage)."""
+    from tests.support.readonly import own_view
+
+    with own_view(disks[int(os.environ["RANK"])], path):
+        return _as_two_nodes(flags)
+
+
 @pytest.fixture(scope="module")
 def reference(toy, ranks):
     """One node, two ranks, ZeRO-2 and ZeRO-3: the runs every other one must equal (the same
@@ -123,7 +149,9 @@ def reference(toy, ranks):
 
 
 @pytest.mark.slow
-def test_two_nodes_train_save_resume_and_export_like_one_node(reference):
+def test_two_nodes_train_save_resume_and_export_like_one_node(reference, ranks):
+    """Launched as two nodes (two deepspeed launchers), then resumed, and refused a setting, as
+    two nodes in the long-lived ranks (the launch is what the first run shows)."""
     toy = reference
     nodes = two_nodes(toy, _flags(toy, "shared", 2))
     _ok(*nodes)
@@ -136,20 +164,25 @@ def test_two_nodes_train_save_resume_and_export_like_one_node(reference):
     shutil.rmtree(ckpt / "global_step6")
     (ckpt / "latest").write_text("global_step4")
     shutil.rmtree(toy / "shared" / "model")
-    _ok(*two_nodes(toy, _flags(toy, "shared", 2, "--load_checkpoint")))
+    assert ranks.run(_as_two_nodes, _flags(toy, "shared", 2, "--load_checkpoint")) == ["", ""]
     _assert_same_weights(_weights(toy, "ref2"), _weights(toy, "shared"))
+    rows = [json.loads(line) for line in (toy / "shared" / "logs" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4, 5, 6, 5, 6]  # resumed
+    assert _losses(toy, "shared") == _losses(toy, "ref2")  # steps 5 and 6 again, the same
 
-    refused = two_nodes(toy, _flags(toy, "forced", 2, "--checkpoint_storage", "node_local"))
-    for node in refused:
-        assert node.returncode != 0
-        assert "checkpoint_storage='node_local' is invalid: " in node.stdout
+    refused = ranks.run(_as_two_nodes, _flags(toy, "forced", 2, "--checkpoint_storage",
+                                              "node_local"))
+    for message in refused:  # every rank, the same line
+        assert "checkpoint_storage='node_local' is invalid: " in message
         assert "is shared storage (global rank 0's file was seen by 2 of 2 nodes); set " \
-               "--checkpoint_storage shared or auto" in node.stdout
+               "--checkpoint_storage shared or auto" in message
     assert not (toy / "forced" / "ckpt" / "global_step2").exists()
 
 
 @pytest.mark.slow
-def test_node_local_storage_resumes_after_a_node_killed_mid_save(reference):
+def test_node_local_storage_resumes_after_a_node_killed_mid_save(reference, ranks):
+    """The refusal and the resume run as two nodes in the long-lived ranks, each rank with its
+    own disk mounted at the checkpoint path; the kill needs real launchers."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("per-node directories at one path need mount namespaces (root, unshare)")
     toy = reference
@@ -159,10 +192,18 @@ def test_node_local_storage_resumes_after_a_node_killed_mid_save(reference):
         path.mkdir(parents=True)
     private = {str(ckpt): [str(d) for d in disks]}
 
-    refused = two_nodes(toy, _flags(toy, "local", 3, "--checkpoint_storage", "shared"), private)
-    assert all(n.returncode != 0 for n in refused)
-    assert all("is node-local storage (global rank 0's file was seen by 1 of 2 nodes)" in n.stdout
-               for n in refused), refused[0].stdout[-3000:]
+    mounts = (str(ckpt), [str(d) for d in disks])
+    try:
+        _node_local_body(toy, ranks, ckpt, disks, private, mounts)
+    finally:
+        ranks.discard()  # the ranks keep private mount namespaces: later modules get new ones
+
+
+def _node_local_body(toy, ranks, ckpt, disks, private, mounts) -> None:
+    refused = ranks.run(_on_own_disk, _flags(toy, "local", 3, "--checkpoint_storage", "shared"),
+                        *mounts)
+    assert all("is node-local storage (global rank 0's file was seen by 1 of 2 nodes)" in m
+               for m in refused), refused
 
     killed = two_nodes(toy, _flags(toy, "local", 3, "--fault", "kill_in_save", "--fault_rank",
                                    "1", "--fault_step", "4"), private)
@@ -179,11 +220,12 @@ def test_node_local_storage_resumes_after_a_node_killed_mid_save(reference):
         assert any(f.startswith(f"zero_pp_rank_{rank}_") for f in files)
         assert not any(f.startswith(f"zero_pp_rank_{1 - rank}_") for f in files), files
 
-    resumed = two_nodes(toy, _flags(toy, "local", 3, "--load_checkpoint"), private)
-    _ok(*resumed)
-    assert "every rank resumes from global_step2, the newest complete on all of them" \
-        in resumed[0].stdout
+    assert ranks.run(_on_own_disk, _flags(toy, "local", 3, "--load_checkpoint"),
+                     *mounts) == ["", ""]
     _assert_same_weights(_weights(toy, "ref3"), _weights(toy, "local"))
+    rows = [json.loads(line) for line in (toy / "local" / "logs" / "metrics.jsonl").open()]
+    steps = [r["step"] for r in rows if "train/loss" in r]
+    assert steps == [1, 2, 3, 4, 3, 4, 5, 6], steps  # resumed from global_step2, complete on both
     ref = _losses(toy, "ref3")
     assert _losses(toy, "local") == ref  # steps 1-4 before the kill, 3-6 after the resume
     for disk in disks:

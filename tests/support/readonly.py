@@ -43,3 +43,15 @@ def read_only_view(path: str) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["umount", path], check=True)
+
+
+@contextmanager
+def own_view(disk: str, path: str) -> Iterator[None]:
+    """Within the block, this process (and only it) sees ``disk`` at ``path``: a node's own disk
+    mounted where every node's is (node-local storage, one rank per node)."""
+    _private_mounts()
+    subprocess.run(["mount", "--bind", disk, path], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", path], check=True)
