@@ -213,13 +213,10 @@ def test_fp16_refused_where_deepspeed_cannot_train_it(toy, monkeypatch):
         Run.from_args(_argv({**_base(toy), "fp16": True}))
 
 
-@pytest.mark.parametrize(
-    "flags,message",
-    [(["--zero_stage", "7"], "zero_stage=7 is invalid"),
-     (["--loss", "sigmoid"], "unrecognized arguments: --loss sigmoid")],  # never --loss_weighting
-)
-def test_a_bad_flag_is_one_line_without_a_traceback(tmp_path, flags, message):
-    """What a person sees from a launched script: one line naming the field, exit status != 0."""
+def test_a_bad_flag_is_one_line_without_a_traceback(tmp_path):
+    """What a person sees from a launched script: one line naming the field, exit status != 0.
+    (argparse's own refusals, an unknown flag: test_an_unknown_flag_is_argparse_s_one_line.)"""
+    flags, message = ["--zero_stage", "7"], "zero_stage=7 is invalid"
     import os
     import sys
 
@@ -237,6 +234,22 @@ def test_a_bad_flag_is_one_line_without_a_traceback(tmp_path, flags, message):
     assert "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if message in line]
     assert len(errors) == 1, proc.stderr
+
+
+def test_an_unknown_flag_is_argparse_s_one_line(tmp_path, capsys, monkeypatch):
+    """An unknown flag (never taken for a prefix: --loss is not --loss_weighting) stops the
+    example's argument parsing with argparse's usage and one error line."""
+    from tests.support.helpers import forbid_process_group, load_example
+
+    (tmp_path / "train.jsonl").write_text('{"input": "ab=", "output": "ba"}\n')
+    forbid_process_group(monkeypatch)
+    with pytest.raises(SystemExit) as stopped:
+        load_example("train_sft")(["--model_config", "configs/tiny_llama.json", "--tokenizer",
+                                   "strategy/demos", "--dataset", str(tmp_path / "train.jsonl"),
+                                   "--loss", "sigmoid"])
+    assert stopped.value.code == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert errors[-1].endswith("error: unrecognized arguments: --loss sigmoid"), errors
 
 
 def test_reward_model_under_sequence_parallelism_is_refused_before_process_group(toy,
