@@ -193,10 +193,12 @@ def test_node_local_storage_resumes_after_a_node_killed_mid_save(reference, rank
     private = {str(ckpt): [str(d) for d in disks]}
 
     mounts = (str(ckpt), [str(d) for d in disks])
+    from tests.support.readonly import leave_private_mounts
+
     try:
         _node_local_body(toy, ranks, ckpt, disks, private, mounts)
     finally:
-        ranks.discard()  # the ranks keep private mount namespaces: later modules get new ones
+        ranks.run(leave_private_mounts)  # back to the host's mounts, for later tests
 
 
 def _node_local_body(toy, ranks, ckpt, disks, private, mounts) -> None:

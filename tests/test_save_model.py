@@ -16,11 +16,12 @@ from tests.support.readonly import read_only_view
 
 
 @pytest.fixture(scope="module", autouse=True)
-def fresh_ranks_afterwards(ranks):
-    """Rank 1 keeps the private mount namespace of its read-only views: later modules get new
-    ranks."""
+def host_mounts_afterwards(ranks):
+    """Rank 1 leaves the private mount namespace of its read-only views after this module."""
+    from tests.support.readonly import leave_private_mounts
+
     yield
-    ranks.discard()
+    ranks.run(leave_private_mounts)
 
 
 SHARD = "20KB"  # tiny models are ~100 KB in fp32: forces 5-8 shards

@@ -1,9 +1,8 @@
 """A read-only view of a directory for one rank: a private mount namespace in which the directory
 is bind-mounted read-only, so any write from that rank fails with EROFS, from Python or from native
-code (safetensors, tokenizers). Needs root, as the tmpfs disk-full tests do. The rank's main thread
-stays in that namespace (a multi-threaded process cannot go back), so a test module using it must
-discard its rank pool afterwards (``ranks.discard()``): later mounts on the host would not reach
-it."""
+code (safetensors, tokenizers). Needs root, as the tmpfs disk-full tests do. Only the rank's main
+thread (where saves run) moves into that namespace; ``leave_private_mounts`` moves it back to the
+host's (``setns``), so the long-lived ranks serve later tests as they were."""
 
 from __future__ import annotations
 
@@ -15,8 +14,8 @@ from typing import Iterator
 
 import pytest
 
-CLONE_NEWNS = 0x00020000
-_state = {"unshared": False}
+CLONE_NEWNS, CLONE_FS = 0x00020000, 0x00000200
+_state: dict = {"unshared": False, "host": None, "cwd": None}
 
 
 def _private_mounts() -> None:
@@ -27,10 +26,26 @@ def _private_mounts() -> None:
     if os.geteuid() != 0:
         pytest.skip("a read-only view needs root (mount namespaces)")
     libc = ctypes.CDLL(None, use_errno=True)
+    host = os.open("/proc/thread-self/ns/mnt", os.O_RDONLY)
     if libc.unshare(CLONE_NEWNS) != 0:
+        os.close(host)
         pytest.skip(f"unshare(CLONE_NEWNS) failed: {os.strerror(ctypes.get_errno())}")
     subprocess.run(["mount", "--make-rslave", "/"], check=True)
-    _state["unshared"] = True
+    _state.update(unshared=True, host=host, cwd=os.getcwd())
+
+
+def leave_private_mounts() -> None:
+    """Back to the host's mount namespace (a no-op where this process never left it); entering a
+    mount namespace resets the working directory, which is restored."""
+    if not _state["unshared"]:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    # threads started since share this thread's filesystem context, which setns refuses (EINVAL)
+    if libc.unshare(CLONE_FS) != 0 or libc.setns(_state["host"], CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "setns back to the host's mount namespace failed")
+    os.close(_state["host"])
+    os.chdir(_state["cwd"])
+    _state.update(unshared=False, host=None, cwd=None)
 
 
 @contextmanager
