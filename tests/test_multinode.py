@@ -2,7 +2,9 @@
 --node_rank N`` meeting on the loopback address, as on Kubernetes. Trained, saved, resumed and
 exported, they must equal a one-node 2-rank run. Node-local storage: each node launcher runs in
 its own mount namespace where the same checkpoint path is a different directory; one node is
-killed mid-save and both resume from the newest checkpoint complete on every node."""
+killed mid-save and both resume from the newest checkpoint complete on every node. The launches
+and the kill use real launchers; resumes and refusals run as two nodes in the long-lived ranks
+(``LOCAL_SIZE=1``, each rank's own disk mounted in its own namespace)."""
 
 from __future__ import annotations
 
