@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.support.helpers import run_job, torchrun_command
+from tests.support.helpers import run_job, script_outcome, torchrun_command
 from tests.support.ranks import shm_buffers
 
 SCRIPT = "tests/scripts/fault_train.py"
@@ -99,21 +99,10 @@ def test_killed_rank_then_resume_completes(toy, ranks):
     metrics = toy / "kill" / "logs" / "metrics.jsonl"
     before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
     flags = [*_args(toy, "kill"), "--save_steps", "2", "--logging_steps", "1", "--load_checkpoint"]
-    assert ranks.run(_run_fault_script, flags) == ["DONE", "DONE"]
+    assert ranks.run(script_outcome, SCRIPT, flags) == ["", ""]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()[before:]]
     assert [r["step"] for r in rows if "train/loss" in r] == [5, 6, 7, 8]  # resumed at step 4
     assert (toy / "kill" / "model" / "model.safetensors").exists()
-
-
-def _run_fault_script(flags: list[str]) -> str:
-    """In a rank of the ``ranks`` pool: the fault script on ``flags``; what it raised."""
-    from tests.support.helpers import load_script
-
-    try:
-        load_script(SCRIPT)["main"](flags)
-    except Exception as e:  # noqa: BLE001 - the test reads it
-        return f"{type(e).__name__}: {e}"
-    return "DONE"
 
 
 @pytest.mark.slow
@@ -123,7 +112,7 @@ def test_nan_on_one_rank_stops_every_rank_and_rank_0_names_the_step(toy, ranks):
     ranks: how a launched job reports a rank's error is the raising test's.)"""
     flags = [*_args(toy, "nan"), "--fault", "nan", "--fault_rank", "1", "--fault_step", "3"]
     want = "NonFiniteLossError: non-finite training loss (nan) at step 3"
-    assert [want in got for got in ranks.run(_run_fault_script, flags)] == [True, True]
+    assert [want in got for got in ranks.run(script_outcome, SCRIPT, flags)] == [True, True]
 
 
 @pytest.mark.gpu

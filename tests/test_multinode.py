@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from strategy.dist import free_port
-from tests.support.helpers import kill_group, run_job
+from tests.support.helpers import kill_group, run_job, script_outcome
 
 SCRIPT = "tests/scripts/fault_train.py"
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
@@ -108,26 +108,13 @@ def _assert_same_weights(a: dict, b: dict) -> None:
         assert torch.equal(a[key], b[key]), key
 
 
-def _fault_train(flags: list[str]) -> None:
-    """In a rank of the ``ranks`` pool: the script's ``main`` on ``flags``."""
-    from tests.support.helpers import load_script
-
-    load_script(SCRIPT)["main"](flags)
-
-
 def _as_two_nodes(flags: list[str]) -> str:
     """In a rank of the ``ranks`` pool, as one rank of each of two nodes (what the deepspeed
-    launcher sets on ``--no_ssh`` nodes of one slot): the script's ``main`` on ``flags``; a
-    refusal comes back as its message (the pool stays up)."""
-    from strategy.errors import StrategyError
-
+    launcher sets on ``--no_ssh`` nodes of one slot): the script's ``script_outcome``."""
     saved = {k: os.environ.get(k) for k in ("LOCAL_SIZE", "LOCAL_RANK")}
     os.environ.update(LOCAL_SIZE="1", LOCAL_RANK="0")
     try:
-        _fault_train(flags)
-        return ""
-    except StrategyError as e:
-        return str(e)
+        return script_outcome(SCRIPT, flags)
     finally:
         for key, value in saved.items():
             os.environ.pop(key, None) if value is None else os.environ.update({key: value})
@@ -146,7 +133,7 @@ def reference(toy, ranks):
     """One node, two ranks, ZeRO-2 and ZeRO-3: the runs every other one must equal (the same
     script in the long-lived ranks: one node is what they are)."""
     for stage in (2, 3):
-        ranks.run(_fault_train, _flags(toy, f"ref{stage}", stage))
+        assert ranks.run(script_outcome, SCRIPT, _flags(toy, f"ref{stage}", stage)) == ["", ""]
     return toy
 
 
@@ -193,17 +180,8 @@ def test_node_local_storage_resumes_after_a_node_killed_mid_save(reference, rank
     for path in (ckpt, *disks):
         path.mkdir(parents=True)
     private = {str(ckpt): [str(d) for d in disks]}
-
     mounts = (str(ckpt), [str(d) for d in disks])
-    from tests.support.readonly import leave_private_mounts
 
-    try:
-        _node_local_body(toy, ranks, ckpt, disks, private, mounts)
-    finally:
-        ranks.run(leave_private_mounts)  # back to the host's mounts, for later tests
-
-
-def _node_local_body(toy, ranks, ckpt, disks, private, mounts) -> None:
     refused = ranks.run(_on_own_disk, _flags(toy, "local", 3, "--checkpoint_storage", "shared"),
                         *mounts)
     assert all("is node-local storage (global rank 0's file was seen by 1 of 2 nodes)" in m

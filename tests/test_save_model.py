@@ -14,17 +14,9 @@ from tests.support.helpers import gathered_state, make_strategy
 from tests.support.models import FAMILIES, VOCAB, tiny_llama, token_batches
 from tests.support.readonly import read_only_view
 
-
-@pytest.fixture(scope="module", autouse=True)
-def host_mounts_afterwards(ranks):
-    """Rank 1 leaves the private mount namespace of its read-only views after this module."""
-    from tests.support.readonly import leave_private_mounts
-
-    yield
-    ranks.run(leave_private_mounts)
-
-
 SHARD = "20KB"  # tiny models are ~100 KB in fp32: forces 5-8 shards
+
+
 def tiny_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -63,6 +63,19 @@ def load_script(path: str, run_name: str | None = None) -> dict:
     return runpy.run_path(str(full), run_name=run_name or f"script_{full.stem}")
 
 
+def script_outcome(path: str, flags: list[str]) -> str:
+    """Run the script at ``path``'s ``main(flags)`` here (e.g. in a rank of the ``ranks`` pool):
+    "" when it finishes, ``"<ErrorType>: <message>"`` when it stops with one of our errors (a
+    refusal, a non-finite loss); the pool stays up either way."""
+    from strategy.errors import StrategyError
+
+    try:
+        load_script(path)["main"](flags)
+    except StrategyError as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
 def load_example_module(name: str) -> dict:
     """The globals of ``examples/<name>.py``."""
     return load_script(f"examples/{name}.py", run_name=f"example_{name}")

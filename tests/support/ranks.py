@@ -153,13 +153,6 @@ class Ranks:
             pool = self.pools[world_size] = RankPool(world_size)
         return pool.run(fn, *args, timeout=timeout, **kwargs)
 
-    def discard(self, world_size: int = 2) -> None:
-        """Close the pool of ``world_size`` ranks; the next run starts fresh ones (for tests that
-        change a rank process for good, e.g. its mount namespace)."""
-        pool = self.pools.pop(world_size, None)
-        if pool is not None:
-            pool.close()
-
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()

@@ -1,8 +1,8 @@
 """A read-only view of a directory for one rank: a private mount namespace in which the directory
 is bind-mounted read-only, so any write from that rank fails with EROFS, from Python or from native
 code (safetensors, tokenizers). Needs root, as the tmpfs disk-full tests do. Only the rank's main
-thread (where saves run) moves into that namespace; ``leave_private_mounts`` moves it back to the
-host's (``setns``), so the long-lived ranks serve later tests as they were."""
+thread (where saves run) moves into that namespace, and only for the block: on leaving it goes
+back to the host's (``setns``), so the long-lived ranks serve later tests as they were."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _private_mounts() -> None:
     _state.update(unshared=True, host=host, cwd=os.getcwd())
 
 
-def leave_private_mounts() -> None:
+def _leave_private_mounts() -> None:
     """Back to the host's mount namespace (a no-op where this process never left it); entering a
     mount namespace resets the working directory, which is restored."""
     if not _state["unshared"]:
@@ -58,6 +58,7 @@ def read_only_view(path: str) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["umount", path], check=True)
+        _leave_private_mounts()
 
 
 @contextmanager
@@ -70,3 +71,4 @@ def own_view(disk: str, path: str) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["umount", path], check=True)
+        _leave_private_mounts()
