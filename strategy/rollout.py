@@ -17,15 +17,22 @@ A fast inference engine (vLLM, SGLang) would be a third ``RolloutEngine``: ``syn
 the same groups to it (every rank still entering each gather, rank-local tensors handed to the
 engine's weight loader, as ``GatheredRollout.sync`` copies them into its module), and ``generate``
 would call it. None is built here: no code path that cannot run and be tested on these machines.
+
+Both share a group's prompt (``generate(group=g)``: a GRPO rollout repeats each prompt ``g``
+times): ``prefill_groups`` runs each prompt once and hands ``generate`` its KV cache repeated to
+the ``g`` rows, so the prompt's forward work is 1/g of a plain ``generate``'s, with the same
+tokens (the same sampling draws).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
+import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch import nn
+from transformers import DynamicCache
 
 from strategy.errors import ConfigError
 from strategy.export.save import gathered_params, group_units, tensor_parallel_owners
@@ -38,11 +45,57 @@ GATHER_MODES = ("full", "layer")
 
 class RolloutEngine(Protocol):
     """What a trainer generates with: ``sync`` after the policy changed, then ``generate``
-    (``transformers``' ``generate`` arguments); every rank calls both alike."""
+    (``transformers``' ``generate`` arguments, and ``group``: rows come in runs of ``group``
+    copies of one prompt); every rank calls both alike."""
 
     def sync(self) -> None: ...
 
-    def generate(self, **kwargs: Any) -> torch.Tensor: ...
+    def generate(self, group: int = 1, **kwargs: Any) -> torch.Tensor: ...
+
+
+def prefill_groups(module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   group: int, agree: Callable[[bool], bool] = bool) -> DynamicCache | None:
+    """The KV cache of every row's prompt but its last token, run once per ``group`` identical
+    rows and repeated to each of them, for ``generate(cache=...)``: it then runs only the last
+    prompt token and the new ones. None (a plain ``generate``) where nothing is shared: groups of
+    one, one-token prompts, rows that are not runs of one prompt, a model whose generation needs
+    another cache than transformers' dynamic one or whose forward cannot keep only the last
+    logits. Position ids count the prompt's tokens from 0, as ``generate``'s do.
+
+    Args:
+        module: the model that generates (a PEFT model or a ZeRO-3 engine's module too).
+        input_ids: left-padded prompts, ``group`` consecutive copies of each.
+        attention_mask: their mask.
+        group: copies per prompt.
+        agree: whether every rank shares (ranks in a partitioned forward must all run it).
+
+    Returns:
+        The cache, or None.
+    """
+    model = base_model(module)
+    rows, width = input_ids.shape
+    ok = (group > 1 and width > 1 and rows % group == 0
+          and model._supports_default_dynamic_cache() and model._supports_logits_to_keep())
+    unique_ids, unique_mask = input_ids[::group], attention_mask[::group]
+    ok = ok and torch.equal(unique_ids.repeat_interleave(group, 0), input_ids) and torch.equal(
+        unique_mask.repeat_interleave(group, 0), attention_mask)
+    if not agree(ok):
+        return None
+    ids, mask = unique_ids[:, :-1], unique_mask[:, :-1]
+    positions = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        module(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+               use_cache=True, logits_to_keep=1)
+    cache.batch_repeat_interleave(group)
+    return cache
+
+
+def _every_rank(ok: bool) -> bool:
+    """True when ``ok`` holds on every rank (one small all-reduce)."""
+    flag = torch.tensor([int(ok)], device=get_accelerator().current_device_name())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 class EngineRollout:
@@ -54,8 +107,11 @@ class EngineRollout:
     def sync(self) -> None:
         """Nothing to refresh: the engine's own weights generate."""
 
-    def generate(self, **kwargs: Any) -> torch.Tensor:
-        return self.module.generate(synced_gpus=self.synced_gpus, **kwargs)
+    def generate(self, group: int = 1, **kwargs: Any) -> torch.Tensor:
+        agree = _every_rank if self.synced_gpus else bool
+        cache = prefill_groups(self.module, kwargs["input_ids"], kwargs["attention_mask"],
+                               group, agree)
+        return self.module.generate(synced_gpus=self.synced_gpus, cache=cache, **kwargs)
 
 
 class GatheredRollout:
@@ -81,8 +137,9 @@ class GatheredRollout:
                     for name, tensor in unit.produce().items():
                         self._state[name].copy_(tensor)
 
-    def generate(self, **kwargs: Any) -> torch.Tensor:
-        return self.module.generate(**kwargs)
+    def generate(self, group: int = 1, **kwargs: Any) -> torch.Tensor:
+        cache = prefill_groups(self.module, kwargs["input_ids"], kwargs["attention_mask"], group)
+        return self.module.generate(cache=cache, **kwargs)
 
 
 def full_weight_bytes(module: nn.Module) -> int:

@@ -139,12 +139,16 @@ def test_first_update_and_exact_resume(ranks, toy):
 
 def greedy_tokens(root: str, stage: int, gather: str = "full") -> dict:
     """Greedy completions of this rank's held-out prompts, as the trainer generates them, and
-    which rollout engine made them; under ZeRO-3 ``full``, also the refusal a rank with too
-    little free memory gets."""
+    which rollout engine made them; sampled completions of groups of 4 copies of the first
+    prompts, with each prompt's forward shared by its group and without (the same draws), and
+    whether the shared path ran; under ZeRO-3 ``full``, also the refusal a rank with too little
+    free memory gets."""
     from unittest import mock
 
     from strategy.errors import ConfigError
+    from strategy.rollout import _every_rank, prefill_groups
     from strategy.trainers import GRPOTrainer
+    from strategy.trainers.algorithms.grpo import sampling_rng
     from strategy.trainers.run import Run
 
     extra = {"zero_stage": stage, "rollout_gather": gather}
@@ -159,6 +163,19 @@ def greedy_tokens(root: str, stage: int, gather: str = "full") -> dict:
         for batch in trainer.eval_dataloader:  # uneven shards: 7 and 6 prompts, 2 calls each
             batch = trainer.to_device(batch)
             out += trainer.generate(batch["prompt_ids"], batch["prompt_mask"], False).tolist()
+        ids, mask = (batch[k].repeat_interleave(4, 0) for k in ("prompt_ids", "prompt_mask"))
+        sampled = {}
+        for group in (4, 1):  # shared prompt forward, then the plain one, from the same seed
+            with sampling_rng(7, 0, run.strategy.rank):
+                sampled[group] = trainer.generate(ids, mask, True, group=group).tolist()
+        module = trainer.rollouts.module
+        cache = prefill_groups(module, ids, mask, 4, _every_rank)
+        with torch.no_grad():  # the last prompt token on the shared cache, and on no cache
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            last = module(input_ids=ids[:, -1:], attention_mask=mask, cache=cache,
+                          position_ids=positions[:, -1:]).logits[:, -1]
+            whole = module(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        torch.testing.assert_close(last, whole[:, -1], rtol=1e-5, atol=1e-5)
         if stage == 3 and gather == "full":
             tight = 10**6 if run.strategy.rank == 1 else 10**12  # 1 MB free on one rank only
             with mock.patch("strategy.deepspeed_strategy.free_memory_bytes", lambda: tight):
@@ -166,13 +183,16 @@ def greedy_tokens(root: str, stage: int, gather: str = "full") -> dict:
                     run.strategy.rollout_engine(trainer.model, "full")
                 except ConfigError as exc:
                     refused = str(exc)
-    return {"tokens": out, "engine": type(trainer.rollouts).__name__, "refused": refused}
+    return {"tokens": out, "engine": type(trainer.rollouts).__name__, "refused": refused,
+            "sampled": sampled, "shared": cache is not None, "padded": bool((mask == 0).any())}
 
 
 @pytest.mark.slow
 def test_greedy_generation_under_zero3_matches_zero0(ranks, toy):
     """ZeRO-3's two rollout paths (a gathered copy, per-layer gathers) give ZeRO-0's tokens on
-    uneven held-out shards; the copy is refused on every rank when one rank lacks the memory."""
+    uneven held-out shards; the copy is refused on every rank when one rank lacks the memory.
+    Sampling groups that share their prompt's forward draw the tokens a plain generate draws
+    from the same seed, on every path (left-padded prompts of different lengths)."""
     plain = ranks.run(greedy_tokens, str(toy), 0)
     full = ranks.run(greedy_tokens, str(toy), 3, "full")
     layer = ranks.run(greedy_tokens, str(toy), 3, "layer")
@@ -180,6 +200,10 @@ def test_greedy_generation_under_zero3_matches_zero0(ranks, toy):
     assert [r["tokens"] for r in full] == [r["tokens"] for r in plain]
     assert [r["tokens"] for r in layer] == [r["tokens"] for r in plain]
     assert len({tuple(t) for r in plain for t in r["tokens"]}) > 1  # not one degenerate answer
+    for r in plain + full + layer:
+        assert r["shared"] and r["padded"]
+        assert r["sampled"][4] == r["sampled"][1]
+        assert len({tuple(t) for t in r["sampled"][4][:4]}) > 1  # one prompt, several samples
     assert [r["engine"] for r in plain + full + layer] == ["EngineRollout"] * 2 + [
         "GatheredRollout"] * 2 + ["EngineRollout"] * 2
     for r in full:  # every rank raises the same line, though only rank 1 is short of memory

@@ -214,7 +214,7 @@ class GRPOTrainer(Trainer):
 
     # ------------------------------------------------------------ rollout
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 sample: bool) -> torch.Tensor:
+                 sample: bool, group: int = 1) -> torch.Tensor:
         """Completions (right of the prompts; padded after their end) from the policy. Every rank
         calls this alike; under ZeRO-3 the ranks keep stepping until all are done.
 
@@ -222,6 +222,8 @@ class GRPOTrainer(Trainer):
             prompt_ids: left-padded prompt token ids.
             prompt_mask: their attention mask.
             sample: sample at the configured temperature, top-p and top-k (False: greedy).
+            group: rows come in runs of ``group`` copies of one prompt (its prompt's forward then
+                runs once: ``RolloutEngine.generate``).
 
         Returns:
             The completion token ids, one row per prompt.
@@ -243,7 +245,8 @@ class GRPOTrainer(Trainer):
         saved, hf_model.generation_config = hf_model.generation_config, GenerationConfig()
         module.eval()
         try:
-            out = self.rollouts.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+            out = self.rollouts.generate(group=group, input_ids=prompt_ids,
+                                         attention_mask=prompt_mask,
                                          generation_config=GenerationConfig(**settings),
                                          use_cache=True)
         finally:
@@ -289,7 +292,8 @@ class GRPOTrainer(Trainer):
         ids = batch["prompt_ids"].repeat_interleave(g, dim=0).to(self.model.device)
         mask = batch["prompt_mask"].repeat_interleave(g, dim=0).to(self.model.device)
         with sampling_rng(self.strategy.config.seed, self.global_step, self.strategy.rank):
-            completions = self._completions(self.generate(ids, mask, sample=True).cpu())
+            completions = self._completions(self.generate(ids, mask, sample=True,
+                                                          group=g).cpu())
         prompts = [p for p in batch["prompts"] for _ in range(g)]
         rows = [r for r in batch["rows"] for _ in range(g)]
         rewards = self._score(prompts, completions, self._texts(completions), rows)
