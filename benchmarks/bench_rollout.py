@@ -10,6 +10,12 @@ for exactly ``--new_tokens`` tokens each (no end-of-sequence stop), so each roll
 work. A rollout's time runs from a barrier before ``sync()`` (``full``'s gather counts) to a
 barrier after ``generate``; tokens/s counts both ranks' generated tokens. Median and spread over
 rounds. Target: ZeRO-3 full >= 3x ZeRO-3 layer.
+
+The ZeRO-2 job also times the lean sampling loop (``strategy.decode``, what the rollouts run)
+against ``transformers``' ``generate`` on the same module, alternated round by round, on
+completions of very different lengths: sampled at temperature 1 from one seed with 32 end ids
+(so rows end anywhere from the first token to ``--new_tokens``); both must return the same tokens
+(checked every round), and tokens/s counts the tokens up to each row's end.
 """
 
 from __future__ import annotations
@@ -31,18 +37,64 @@ def rollout_seconds(strategy, rollout, prompts, new_tokens: int) -> tuple[float,
     import torch
     from transformers import GenerationConfig
 
-    settings = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    settings = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)  # no end-of-sequence: exactly new_tokens
     strategy.barrier()
     start = time.perf_counter()
     rollout.sync()
     synced = time.perf_counter() - start
     with torch.no_grad():
-        out = rollout.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
-                               generation_config=settings, use_cache=True)
+        out = rollout.generate(prompts, torch.ones_like(prompts), settings)
     strategy.barrier()
     assert out.shape[1] == prompts.shape[1] + new_tokens, out.shape
     return time.perf_counter() - start, synced
+
+
+def sampled_seconds(strategy, module, prompts, new_tokens: int, seed: int,
+                    use_generate: bool):
+    """One sampled rollout of ``prompts`` by ``decode`` (or ``generate``): seconds and tokens."""
+    import torch
+    from transformers import GenerationConfig
+
+    from strategy.decode import decode
+
+    settings = GenerationConfig(max_new_tokens=new_tokens, do_sample=True, temperature=1.0,
+                                top_k=0, top_p=1.0, eos_token_id=list(range(1, 33)),
+                                pad_token_id=0)
+    mask = torch.ones_like(prompts)
+    strategy.barrier()
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        if use_generate:
+            out = module.generate(input_ids=prompts, attention_mask=mask,
+                                  generation_config=settings)
+        else:
+            out = decode(module, prompts, mask, settings)
+    strategy.barrier()
+    return time.perf_counter() - start, out
+
+
+def decode_vs_generate(strategy, module, prompts, args) -> dict:
+    """``decode`` and ``generate`` alternated over rounds, the same seeded draws each round."""
+    from transformers import GenerationConfig
+
+    module.generation_config = GenerationConfig()  # nothing but the settings above
+    times: dict[str, list[float]] = {"decode": [], "generate": []}
+    tokens = []
+    for index in range(args.rounds + 1):  # the first round warms up
+        order = (False, True) if index % 2 else (True, False)
+        outs = {}
+        for use_generate in order:
+            seconds, outs[use_generate] = sampled_seconds(strategy, module, prompts,
+                                                          args.new_tokens, index, use_generate)
+            if index:
+                times["generate" if use_generate else "decode"].append(seconds)
+        assert outs[True].equal(outs[False]), "decode and generate drew different tokens"
+        new = outs[False][:, prompts.shape[1]:]
+        if index:
+            tokens.append(int((new != 0).sum()) * strategy.world_size)  # pads only after an end
+    return {"times": times, "tokens": tokens}
 
 
 def job(args) -> None:
@@ -77,8 +129,11 @@ def job(args) -> None:
             total, synced = rollout_seconds(strategy, rollouts[way], prompts, args.new_tokens)
             times[way].append(total)
             syncs[way].append(synced)
+    lengths = decode_vs_generate(strategy, engine.module, prompts, args) if (
+        args.zero_stage == 2) else None
     if strategy.rank == 0:
         print("RESULT " + json.dumps({"stage": args.zero_stage, "times": times, "syncs": syncs,
+                                      "lengths": lengths,
                                       "engines": {w: type(r).__name__ for w, r in rollouts.items()},
                                       "tokens": args.prompts * args.new_tokens *
                                       strategy.world_size}), flush=True)
@@ -117,6 +172,8 @@ def main() -> None:
                 [result["tokens"] / s for s in seconds], result["syncs"][way])
         if stage == 3:
             ratios = [f / lay for f, lay in zip(result["times"]["layer"], result["times"]["full"])]
+        else:
+            lengths = result["lengths"]
     print(f"generated tokens/s, 2 ranks, {args.prompts} prompts x {args.new_tokens} tokens per "
           f"rank, greedy with KV cache, {args.rounds} rounds (median [min-max]):")
     for name, (values, syncs) in rates.items():
@@ -125,6 +182,14 @@ def main() -> None:
               f"sync {statistics.median(syncs) * 1e3:.0f} ms per rollout")
     print(f"ZeRO-3 full / layer per round: median {statistics.median(ratios):.2f}x "
           f"[{min(ratios):.2f}-{max(ratios):.2f}] (target >= 3x)")
+    print(f"ZeRO-2, sampled, 32 end ids (completions of 1 to {args.new_tokens} tokens; both "
+          f"sides the same tokens), tokens/s:")
+    for way, seconds in lengths["times"].items():
+        rates_ = [n / s for n, s in zip(lengths["tokens"], seconds)]
+        print(f"  {way:<10} {statistics.median(rates_):8.1f} [{min(rates_):.1f}-{max(rates_):.1f}]")
+    speedups = [g / d for g, d in zip(lengths["times"]["generate"], lengths["times"]["decode"])]
+    print(f"  generate s / decode s per round: median {statistics.median(speedups):.2f}x "
+          f"[{min(speedups):.2f}-{max(speedups):.2f}]")
 
 
 if __name__ == "__main__":

@@ -19,9 +19,11 @@ engine's weight loader, as ``GatheredRollout.sync`` copies them into its module)
 would call it. None is built here: no code path that cannot run and be tested on these machines.
 
 Both share a group's prompt (``generate(group=g)``: a GRPO rollout repeats each prompt ``g``
-times): ``prefill_groups`` runs each prompt once and hands ``generate`` its KV cache repeated to
+times): ``prefill_groups`` runs each prompt once and hands the decoder its KV cache repeated to
 the ``g`` rows, so the prompt's forward work is 1/g of a plain ``generate``'s, with the same
-tokens (the same sampling draws).
+tokens (the same sampling draws). Where the module generating is whole on its rank (below ZeRO-3,
+and ``GatheredRollout``'s copy) the tokens come from ``strategy.decode``, which drops ended rows
+from the batch and draws ``generate``'s tokens; the partitioned forward keeps ``generate``.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch import nn
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 
+from strategy.decode import decode, supports
 from strategy.errors import ConfigError
 from strategy.export.save import gathered_params, group_units, tensor_parallel_owners
 from strategy.export.units import plan_export
@@ -45,12 +48,25 @@ GATHER_MODES = ("full", "layer")
 
 class RolloutEngine(Protocol):
     """What a trainer generates with: ``sync`` after the policy changed, then ``generate``
-    (``transformers``' ``generate`` arguments, and ``group``: rows come in runs of ``group``
-    copies of one prompt); every rank calls both alike."""
+    (left-padded ``input_ids``, their ``attention_mask``, a ``GenerationConfig`` of the fields
+    ``strategy.decode`` reads, and ``group``: rows come in runs of ``group`` copies of one
+    prompt); every rank calls both alike. It returns what ``transformers``' ``generate`` would."""
 
     def sync(self) -> None: ...
 
-    def generate(self, group: int = 1, **kwargs: Any) -> torch.Tensor: ...
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 generation_config: GenerationConfig, group: int = 1) -> torch.Tensor: ...
+
+
+def whole_generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   generation_config: GenerationConfig, group: int) -> torch.Tensor:
+    """Generation by a module whole on this rank: ``decode`` on the group's shared prompt cache
+    (``generate`` itself for a model whose cache or logits ``decode`` cannot handle)."""
+    cache = prefill_groups(module, input_ids, attention_mask, group)
+    if not supports(module):
+        return module.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
+                               generation_config=generation_config, use_cache=True)
+    return decode(module, input_ids, attention_mask, generation_config, cache)
 
 
 def prefill_groups(module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -99,7 +115,8 @@ def _every_rank(ok: bool) -> bool:
 
 
 class EngineRollout:
-    """The engine's module generates (ZeRO-3: one gather per layer per token, ranks in step)."""
+    """The engine's module generates (ZeRO-3 at more than one rank: ``generate`` with one gather
+    per layer per token, ranks in step; otherwise ``decode``)."""
 
     def __init__(self, engine: Any, zero3_ranks: bool) -> None:
         self.module, self.synced_gpus = engine.module, zero3_ranks
@@ -107,11 +124,15 @@ class EngineRollout:
     def sync(self) -> None:
         """Nothing to refresh: the engine's own weights generate."""
 
-    def generate(self, group: int = 1, **kwargs: Any) -> torch.Tensor:
-        agree = _every_rank if self.synced_gpus else bool
-        cache = prefill_groups(self.module, kwargs["input_ids"], kwargs["attention_mask"],
-                               group, agree)
-        return self.module.generate(synced_gpus=self.synced_gpus, cache=cache, **kwargs)
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 generation_config: GenerationConfig, group: int = 1) -> torch.Tensor:
+        if not self.synced_gpus:
+            return whole_generate(self.module, input_ids, attention_mask, generation_config,
+                                  group)
+        cache = prefill_groups(self.module, input_ids, attention_mask, group, _every_rank)
+        return self.module.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                    generation_config=generation_config, cache=cache,
+                                    synced_gpus=True, use_cache=True)
 
 
 class GatheredRollout:
@@ -137,9 +158,9 @@ class GatheredRollout:
                     for name, tensor in unit.produce().items():
                         self._state[name].copy_(tensor)
 
-    def generate(self, group: int = 1, **kwargs: Any) -> torch.Tensor:
-        cache = prefill_groups(self.module, kwargs["input_ids"], kwargs["attention_mask"], group)
-        return self.module.generate(cache=cache, **kwargs)
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 generation_config: GenerationConfig, group: int = 1) -> torch.Tensor:
+        return whole_generate(self.module, input_ids, attention_mask, generation_config, group)
 
 
 def full_weight_bytes(module: nn.Module) -> int:

@@ -190,7 +190,9 @@ def greedy_tokens(root: str, stage: int, gather: str = "full") -> dict:
 @pytest.mark.slow
 def test_greedy_generation_under_zero3_matches_zero0(ranks, toy):
     """ZeRO-3's two rollout paths (a gathered copy, per-layer gathers) give ZeRO-0's tokens on
-    uneven held-out shards; the copy is refused on every rank when one rank lacks the memory.
+    uneven held-out shards (ZeRO-0 and the copy sample with ``strategy.decode``, ``layer`` with
+    ``generate(synced_gpus=True)``); the copy is refused on every rank when one rank lacks the
+    memory.
     Sampling groups that share their prompt's forward draw the tokens a plain generate draws
     from the same seed, on every path (left-padded prompts of different lengths)."""
     plain = ranks.run(greedy_tokens, str(toy), 0)

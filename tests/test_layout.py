@@ -36,6 +36,7 @@ LAYERS = {
     "model": 5,
     "parallel": 6,
     "export": 7,
+    "decode": 5.5,  # imports model; rollout uses it
     "rollout": 7.5,
     "deepspeed_strategy": 8,
     "trainers": 9,

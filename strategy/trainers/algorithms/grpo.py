@@ -245,10 +245,8 @@ class GRPOTrainer(Trainer):
         saved, hf_model.generation_config = hf_model.generation_config, GenerationConfig()
         module.eval()
         try:
-            out = self.rollouts.generate(group=group, input_ids=prompt_ids,
-                                         attention_mask=prompt_mask,
-                                         generation_config=GenerationConfig(**settings),
-                                         use_cache=True)
+            out = self.rollouts.generate(prompt_ids, prompt_mask, GenerationConfig(**settings),
+                                         group=group)
         finally:
             hf_model.generation_config = saved
             module.train(training)
