@@ -7,6 +7,7 @@ Layers, each importing only from the ones above it:
     optim/, checkpoint/, sampler, metrics, lora, ops, attention     one concern each
     ema                                  moving average of the weights, partitioned like them
     model, parallel/, export/            HF models; sequence/tensor parallelism; HF export
+    decode                               the rollouts' lean sampling loop (uses model)
     rollout                              where on-policy completions come from (uses export)
     deepspeed_strategy                   the facade: DeepSpeedStrategy
     trainers/, demos/                    loops and recipes built on the facade

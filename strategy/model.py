@@ -18,6 +18,7 @@ from transformers.integrations import deepspeed as hf_deepspeed
 from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from strategy.checkpoint.safe_load import check_safetensors_dir
+from strategy.quant import keep_storage_layout
 
 IGNORE_INDEX = -100  # transformers' label for tokens that are not scored (prompt, padding)
 
@@ -26,14 +27,16 @@ def build_hf_model(name_or_config: Any, auto_cls: Any = None, dtype: torch.dtype
                    **kwargs: Any) -> nn.Module:
     """``from_pretrained`` for a path/name, ``from_config`` for a config object. Under a live
     ZeRO-3 ``HfDeepSpeedConfig`` transformers builds inside ``deepspeed.zero.Init``: each rank only
-    ever materializes its own partition. A local directory's weights are checked first."""
+    ever materializes its own partition. A local directory's weights are checked first; 4-bit
+    layers keep their loaded layout (``quant.keep_storage_layout``)."""
     auto_cls = auto_cls or AutoModelForCausalLM
     if isinstance(name_or_config, PretrainedConfig):  # a copy: from_config sets the attention
         config = copy.deepcopy(name_or_config)  # on the config it is given, the caller's too
         return auto_cls.from_config(config, dtype=dtype, **kwargs)
     if os.path.isdir(name_or_config):
         check_safetensors_dir(name_or_config)
-    return auto_cls.from_pretrained(name_or_config, dtype=dtype, **kwargs)
+    model = auto_cls.from_pretrained(name_or_config, dtype=dtype, **kwargs)
+    return keep_storage_layout(model) if "quantization_config" in kwargs else model
 
 
 def construction_config(ds_config: dict) -> dict:

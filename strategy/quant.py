@@ -79,6 +79,33 @@ def prepare_four_bit(model: nn.Module, gradient_checkpointing: bool) -> nn.Modul
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
 
 
+def keep_storage_layout(model: nn.Module) -> nn.Module:
+    """Keep every 4-bit layer's weights in the layout they were loaded in.
+
+    On a CPU with AVX512-BF16, bitsandbytes' ``Linear4bit`` repacks its weight into a CPU
+    inference layout at its first forward in eval mode without gradients (an evaluation, a
+    reference model's log-probs): the forward then computes in another precision than training
+    does (logits off by ~2e-3), a ZeRO-3 partition is repacked as if whole, and ``state_dict``
+    fails on weights stored in the training dtype (bitsandbytes 0.50: it asserts uint8). Turning
+    that path off keeps one layout and one numeric path for training, evaluation and export.
+
+    Args:
+        model: a model, 4-bit or not (others are returned unchanged).
+
+    Returns:
+        ``model``.
+    """
+    for module in model.modules():
+        if _is_linear4bit(module):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def _is_linear4bit(module: nn.Module) -> bool:
+    return (type(module).__name__ == "Linear4bit"
+            and type(module).__module__.startswith("bitsandbytes"))
+
+
 def is_four_bit(model: nn.Module) -> bool:
     """Whether any layer of ``model`` holds 4-bit weights.
 
@@ -88,5 +115,4 @@ def is_four_bit(model: nn.Module) -> bool:
     Returns:
         True when a ``Linear4bit`` (bitsandbytes) is among its modules.
     """
-    return any(type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes")
-               for m in model.modules())
+    return any(_is_linear4bit(m) for m in model.modules())

@@ -91,7 +91,7 @@ def test_qlora_trains_exports_and_resumes_exactly(ranks, toy, stage):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from strategy.quant import four_bit_config
+    from strategy.quant import four_bit_config, keep_storage_layout
 
     name = f"z{stage}"
     full = ranks.run(train, str(toy), stage, name, save_steps=2)
@@ -111,7 +111,9 @@ def test_qlora_trains_exports_and_resumes_exactly(ranks, toy, stage):
     base = AutoModelForCausalLM.from_pretrained(
         str(toy / "base"), quantization_config=four_bit_config(torch.float32),
         dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, str(out)).eval()
+    # the training layout: on an AVX512-BF16 CPU bitsandbytes would otherwise repack the weights
+    # for its bf16 inference path at this eval forward (logits ~2e-3 off the training path)
+    model = PeftModel.from_pretrained(keep_storage_layout(base), str(out)).eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]])).logits.float()
     torch.testing.assert_close(logits, full[0]["logits"], rtol=1e-5, atol=1e-5)
@@ -174,3 +176,25 @@ def test_qlora_cuda_kernels_train_in_bf16(toy):
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0], losses
+
+
+def test_four_bit_layers_keep_their_layout_through_an_eval_forward(toy):
+    """Loaded through the strategy's model builder, a 4-bit model's eval forward without
+    gradients leaves its packed weights as loaded and its state dict readable (bitsandbytes would
+    repack them for its bf16 CPU inference path on an AVX512-BF16 machine, and its state_dict then
+    fails on weights stored in the training dtype); the flag is checked on any CPU."""
+    from strategy.model import build_hf_model
+    from strategy.quant import four_bit_config
+
+    model = build_hf_model(str(toy / "base"), dtype=torch.float32,
+                           quantization_config=four_bit_config(torch.float32)).eval()
+    layers = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
+    def raw(p):  # the bytes (packed 4-bit values stored as float32 can read as NaN)
+        return p.detach().contiguous().view(torch.uint8).clone()
+
+    before = {name: raw(p) for name, p in model.named_parameters()}
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7, 8]]))
+    assert all(torch.equal(raw(p), before[name]) for name, p in model.named_parameters())
+    assert any(key.endswith("weight.quant_state.bitsandbytes__nf4") for key in model.state_dict())
