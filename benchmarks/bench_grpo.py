@@ -3,7 +3,10 @@
 and held-out exact match after the same number of steps.
 
 python benchmarks/bench_grpo.py [--steps 100] [--rounds 3] [--skip 5] [--zero_stage 2] \
-    [--out /tmp/bench_grpo] [--sft_steps N]
+    [--out /tmp/bench_grpo] [--sft_steps N] [--packing]
+
+``--packing``: ours runs with ``--packing_samples`` (its update forwards skip the padding; TRL
+1.16's GRPOTrainer pads, so that side does the padded work either way).
 
 Start (made once, reused from ``--out``): the GRPO example's data (``python -m
 strategy.demos.toy_task make OUT/data --hard``) and its SFT model (the SFT step of
@@ -270,7 +273,8 @@ def run_ours(args, tag: str) -> dict:
                         "--dataset", os.path.join(args.out, "data", "train.jsonl"),
                         "--max_steps", str(args.steps), "--zero_stage", str(args.zero_stage),
                         "--save_path", model, "--ckpt_path", os.path.join(root, "ckpt"),
-                        "--log_dir", logs), os.path.join(root, "launch.log"))
+                        "--log_dir", logs, *(["--packing_samples"] if args.packing else [])),
+               os.path.join(root, "launch.log"))
     rows = [json.loads(line) for line in open(os.path.join(logs, "metrics.jsonl"))]
     rows = [r for r in rows if "train/step_time" in r]
     if [r["step"] for r in rows] != list(range(1, args.steps + 1)):
@@ -339,6 +343,8 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/bench_grpo", help="data, SFT model and runs")
     parser.add_argument("--sft_steps", type=int, default=None,
                         help="shorten the SFT start (smoke tests; default configs/grpo_sft.yaml's)")
+    parser.add_argument("--packing", action="store_true",
+                        help="ours with --packing_samples (padding-free update forwards)")
     parser.add_argument("--job", choices=("trl",), help=argparse.SUPPRESS)
     parser.add_argument("--save", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> dict:
         model = run.model()
         reference = run.reference(model) if run.grpo.kl_coef > 0 else None  # the KL's anchor
         trainer = run.trainer(GRPOTrainer, model, grpo=run.grpo, ref_model=reference,
-                              reward=run.reward(), answer_key=run.data.output_key)
+                              reward=run.reward(), answer_key=run.data.output_key,
+                              packing=run.data.packing_samples)
         return trainer.fit()
 
 

@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> dict:
         reference = run.reference(model) if run.grpo.kl_coef > 0 else None  # the KL's anchor
         trainer = run.trainer(PPOTrainer, model, grpo=run.grpo, ref_model=reference,
                               reward=run.reward(), critic=run.critic(),
-                              answer_key=run.data.output_key)
+                              answer_key=run.data.output_key,
+                              packing=run.data.packing_samples)
         return trainer.fit()
 
 

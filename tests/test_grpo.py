@@ -92,11 +92,24 @@ def train(root: str, name: str, **extra) -> dict:
     from strategy.trainers.run import Run
 
     with Run.from_args(_argv(root, name, **extra), grpo=True) as run:
-        reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
-        trainer = run.trainer(GRPOTrainer, run.model(), grpo=run.grpo,
-                              ref_model=reference, reward=run.reward())
+        model = run.model()
+        trainer = run.trainer(GRPOTrainer, model, grpo=run.grpo,
+                              ref_model=run.reference(model), reward=run.reward(),
+                              packing=run.data.packing_samples)
+        attention = {"policy": trainer.model.module.config._attn_implementation,
+                     "reference": trainer.ref_model.module.config._attn_implementation}
+        packed = {"policy": 0, "reference": 0}  # forwards of one packed row (no attention mask)
+
+        def count(name):
+            def hook(module, args, kwargs):
+                packed[name] += kwargs.get("attention_mask") is None and kwargs[
+                    "input_ids"].shape[0] == 1
+            return hook
+
+        trainer.model.module.register_forward_pre_hook(count("policy"), with_kwargs=True)
+        trainer.ref_model.module.register_forward_pre_hook(count("reference"), with_kwargs=True)
         final = trainer.fit()
-    return {"history": trainer.history, "final": final}
+    return {"history": trainer.history, "final": final, "attention": attention, "packed": packed}
 
 
 @pytest.mark.slow
@@ -135,6 +148,29 @@ def test_first_update_and_exact_resume(ranks, toy):
     policy = load_file(toy / "full" / "model" / "model.safetensors")  # and the policy's export
     assert policy.keys() == current.keys()
     assert all(torch.equal(policy[k], current[k]) for k in current)
+
+
+@pytest.mark.slow
+def test_padding_free_updates_match_padded_ones(ranks, toy):
+    """``--packing_samples``: the update's forwards (policy and reference) run without padding on
+    ``sdpa_varlen`` and log what the padded run logs (one rollout, two optimizer steps)."""
+    runs = {packed: ranks.run(train, str(toy), f"packed{int(packed)}", max_steps=2,
+                              packing_samples=packed)
+            for packed in (False, True)}
+    assert [r["attention"] for r in runs[True]] == [{"policy": "sdpa_varlen",
+                                                    "reference": "sdpa_varlen"}] * 2
+    assert runs[False][0]["attention"]["policy"] == "sdpa"
+    assert [r["packed"] for r in runs[False]] == [{"policy": 0, "reference": 0}] * 2
+    for r in runs[True]:  # 2 micro-batches per rank: 2 steps x 2 policy forwards, 1 reference pass
+        assert r["packed"] == {"policy": 4, "reference": 2}, r["packed"]
+    padded, packed = runs[False][0]["history"], runs[True][0]["history"]
+    assert [r["step"] for r in packed] == [1, 2]
+    for want, got in zip(padded, packed):
+        assert got["reward"] == want["reward"] and got["completion_length"] == want[
+            "completion_length"]  # the same rollout
+        for key in ("loss", "kl", "ratio", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    assert packed[1]["kl"] > 0 and packed[1]["ratio"] != 1.0  # the second step moved off
 
 
 def greedy_tokens(root: str, stage: int, gather: str = "full") -> dict:

@@ -177,3 +177,56 @@ def test_packed_pairs_give_each_samples_logp_and_reward():
                            for ids in [p["chosen_ids"] for p in pairs]
                            + [p["rejected_ids"] for p in pairs]])
         torch.testing.assert_close(sequence_scores(scorer, packed), alone, rtol=1e-5, atol=1e-5)
+
+
+def _rollout_batch() -> dict:
+    """A GRPO micro-batch: prompts of 1 to 9 tokens, completions of 1 to 20, right-padded."""
+    from strategy.trainers.losses import padding_free
+
+    g = torch.Generator().manual_seed(4)
+    shapes = [(1, 20), (9, 1), (4, 7), (6, 13), (2, 2)]
+    ids = [torch.randint(3, 90, (p + c,), generator=g).tolist() for p, c in shapes]
+    labels = [[-100] * p + x[p:] for (p, _), x in zip(shapes, ids)]
+    width = max(len(x) for x in ids)
+    batch = {"input_ids": torch.tensor([x + [0] * (width - len(x)) for x in ids]),
+             "labels": torch.tensor([x + [-100] * (width - len(x)) for x in labels]),
+             "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x))
+                                             for x in ids])}
+    return batch, padding_free(batch["input_ids"], batch["attention_mask"])
+
+
+@pytest.mark.parametrize("attention", ["sdpa", VARLEN])
+def test_padding_free_rl_forwards_equal_padded_ones(attention):
+    """GRPO/PPO's ``--packing_samples``: a micro-batch forwarded without its padding gives each
+    completion token's log-prob (at a sampling temperature), its gradient, and a critic's values,
+    laid out as the padded forward's, on sdpa (transformers' block mask) and ``sdpa_varlen``."""
+    from transformers import AutoModelForTokenClassification
+
+    from strategy.trainers.losses import token_logps, token_values
+    from tests.support.models import tiny_llama
+
+    padded, keys = _rollout_batch()
+    assert keys["packed_input_ids"].shape == (1, 21 + 10 + 11 + 19 + 4)
+    assert keys["packed_position_ids"][0, :22].tolist() == list(range(21)) + [0]
+    packed = {**padded, **keys}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_llama(initializer_range=0.2),
+                                             attn_implementation=attention)
+    outs = {}
+    for name, batch in (("padded", padded), ("packed", packed)):
+        model.zero_grad()
+        logp, mask = token_logps(model, batch, temperature=0.7)
+        (logp * torch.linspace(0, 1, logp.numel()).reshape(logp.shape)).sum().backward()
+        outs[name] = (logp.detach(), mask, [p.grad.clone() for p in model.parameters()])
+    assert torch.equal(outs["packed"][1], outs["padded"][1]) and int(outs["padded"][1].sum()) == 43
+    torch.testing.assert_close(outs["packed"][0], outs["padded"][0], rtol=1e-5, atol=1e-5)
+    assert (outs["packed"][0][~outs["packed"][1]] == 0).all()
+    for got, want in zip(outs["packed"][2], outs["padded"][2]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    critic = AutoModelForTokenClassification.from_config(
+        tiny_llama(num_labels=1, initializer_range=0.2, classifier_dropout=0.0),
+        attn_implementation=attention)  # no dropout: the critic Run.critic builds
+    values, mask = token_values(critic, packed)
+    want, want_mask = token_values(critic, padded)
+    assert torch.equal(mask, want_mask)
+    torch.testing.assert_close(values, want, rtol=1e-5, atol=1e-5)

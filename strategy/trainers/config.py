@@ -130,7 +130,9 @@ class DataConfig:
     skip_bad_rows: bool = doc("skip (and count) rows with missing keys or empty text instead of "
                               "failing", False)
     max_samples: int = doc("use at most N training samples (-1: all)", -1)
-    packing_samples: bool = doc("SFT: pack several short samples into one max_len row", False)
+    packing_samples: bool = doc("SFT/RM/DPO: pack several short samples into one max_len row; "
+                                "GRPO/PPO: forward each update micro-batch without its padding",
+                                False)
     streaming: bool = doc("read --dataset lazily (larger than memory): a seeded shuffle buffer, "
                           "pass after pass; needs --max_steps; resume is exact", False)
     shuffle_buffer: int = doc("--streaming: rows held to shuffle from", 10000)

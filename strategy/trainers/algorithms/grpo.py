@@ -59,6 +59,7 @@ from strategy.trainers.losses import (
     kl_estimate,
     outcome_advantages,
     outcome_token_rewards,
+    padding_free,
     scored_mask,
     token_logps,
     token_moments,
@@ -119,6 +120,9 @@ class GRPOTrainer(Trainer):
         ref_model: the frozen reference for the KL term (required when ``kl_coef`` > 0).
         reward: ``reward(prompts, completions, rows) -> floats`` (required).
         answer_key: the row key of the reference answer for eval ``exact_match`` (None: off).
+        packing: forward the update's micro-batches (policy, reference, critic) without their
+            padding (``--packing_samples``: one packed row per micro-batch, per-sample attention
+            on ``sdpa_varlen`` or flash attention; ``losses.padding_free``).
 
     Raises:
         ConfigError: ``grpo`` or ``reward`` is missing, or ``kl_coef`` > 0 without ``ref_model``.
@@ -156,7 +160,7 @@ class GRPOTrainer(Trainer):
     def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config=None, tokenizer=None, grpo: GRPOConfig | None = None,
                  ref_model=None, reward: Reward | None = None, answer_key: str | None = "output",
-                 ) -> None:
+                 packing: bool = False) -> None:
         if grpo is None or reward is None:
             fail("grpo", grpo, "GRPOTrainer needs grpo=GRPOConfig(...) and a reward callable")
         if grpo.kl_coef > 0 and ref_model is None:
@@ -164,6 +168,7 @@ class GRPOTrainer(Trainer):
         super().__init__(strategy, model, optimizer, scheduler, train_dataloader,
                          eval_dataloader, config, tokenizer)
         self.grpo, self.reward, self.answer_key = grpo, reward, answer_key
+        self.packing = packing
         self.ref_model = strategy.prepare(ref_model) if ref_model is not None else None
         self.per_rank = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size)
         self._old_logps: dict[int, torch.Tensor] = {}  # micro-batch -> first update's log-probs
@@ -385,11 +390,14 @@ class GRPOTrainer(Trainer):
         ids = [p + c for p, c in zip(prompts, completions)]
         labels = [[IGNORE] * len(p) + c for p, c in zip(prompts, completions)]
         width = max(len(x) for x in ids)
-        return {"input_ids": torch.tensor([x + [pad] * (width - len(x)) for x in ids]),
-                "labels": torch.tensor([x + [IGNORE] * (width - len(x)) for x in labels]),
-                "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x))
-                                                for x in ids]),
-                "rewards": rewards.clone(), "rollout_index": index}
+        batch = {"input_ids": torch.tensor([x + [pad] * (width - len(x)) for x in ids]),
+                 "labels": torch.tensor([x + [IGNORE] * (width - len(x)) for x in labels]),
+                 "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x))
+                                                 for x in ids]),
+                 "rewards": rewards.clone(), "rollout_index": index}
+        if self.packing:  # the forwards skip the padding; their outputs come back padded
+            batch.update(padding_free(batch["input_ids"], batch["attention_mask"]))
+        return batch
 
     # ------------------------------------------------------------ update
     def loss_counts(self, batch: dict) -> dict[str, int]:

@@ -35,6 +35,7 @@ from strategy.trainers.losses.formulas import (
 from strategy.trainers.losses.lm import (
     forward_inputs,
     last_attended,
+    padding_free,
     scored_mask,
     sequence_scores,
     tiled_loss_sum,
@@ -46,7 +47,7 @@ __all__ = ["DPO_LOSSES", "ESTIMATORS", "IGNORE", "OUTCOME_ESTIMATORS", "discount
            "dpo_loss", "dpo_losses", "forward_inputs", "gae", "kl_estimate", "outcome_advantages",
            "outcome_token_rewards", "token_moments", "whiten",
            "group_advantages", "grpo_token_losses", "kto_losses", "last_attended", "orpo_losses",
-           "pairwise_losses", "pairwise_metrics", "response_loss", "scored_mask",
+           "padding_free", "pairwise_losses", "pairwise_metrics", "response_loss", "scored_mask",
            "sequence_scores",
            "simpo_losses", "tiled_loss_sum", "token_logps", "token_values",
            "value_token_losses"]

@@ -17,6 +17,7 @@ and ranks must gather alike.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,24 +80,65 @@ def tiled_loss_sum(engine, batch: dict, chunk_tokens: int, max_tokens: int) -> t
     return total
 
 
+def padding_free(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+    """The keys that make ``token_logps`` and ``token_values`` forward a padded batch without its
+    padding: every row's tokens back to back in one packed row whose positions restart at 0 for
+    each row (``packed_input_ids``, ``packed_position_ids``: 1 x tokens), and where each padded
+    position sits in it (``pack_index``: rows x width, -1 on padding). The outputs come back in
+    the padded layout, so everything downstream reads them as it reads a padded forward's.
+
+    Args:
+        input_ids: padded rows (either side).
+        attention_mask: their mask.
+
+    Returns:
+        The three tensors, to add to the batch beside ``input_ids``, ``labels``, ...
+    """
+    real = attention_mask.bool()
+    index = torch.full_like(input_ids, -1)
+    index[real] = torch.arange(int(real.sum()), device=input_ids.device)
+    positions = (real.long().cumsum(-1) - 1)[real]
+    return {"packed_input_ids": input_ids[real][None], "packed_position_ids": positions[None],
+            "pack_index": index}
+
+
+def _scored_outputs(module, batch: dict, read: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``read(output)`` (1 x tokens x ...) at the position predicting each scored target, the
+    positions in ``at_targets`` order of a padded forward, and the scored mask; the forward runs
+    packed (``padding_free``) when the batch carries its keys."""
+    targets, _ = targets_of(batch)
+    mask = targets != IGNORE
+    if "pack_index" not in batch:
+        per_position, _ = at_targets(read(module(**forward_inputs(batch))), batch)
+        return per_position[mask], mask
+    out = module(input_ids=batch["packed_input_ids"],
+                 position_ids=batch["packed_position_ids"], use_cache=False)
+    return read(out)[0][batch["pack_index"][:, :-1][mask]], mask
+
+
 def token_logps(engine, batch: dict,
                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position log-probability of each next-token target, and the mask of scored ones;
-    ``temperature`` scales the logits first (the distribution a sampler drew from)."""
-    logits, targets = at_targets(engine(**forward_inputs(batch)).logits, batch)
-    mask = targets != IGNORE
-    picked = targets.clamp(min=0).unsqueeze(-1)
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, picked).squeeze(-1)
-    return logp * mask, mask
+    ``temperature`` scales the logits first (the distribution a sampler drew from). A batch with
+    ``padding_free``'s keys is forwarded without its padding; the result is laid out alike."""
+    if "pack_index" not in batch or "shift_labels" in batch:
+        logits, targets = at_targets(engine(**forward_inputs(batch)).logits, batch)
+        mask = targets != IGNORE
+        picked = targets.clamp(min=0).unsqueeze(-1)
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, picked)
+        return logp.squeeze(-1) * mask, mask
+    logits, mask = _scored_outputs(engine, batch, lambda out: out.logits)
+    picked = targets_of(batch)[0][mask].unsqueeze(-1)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, picked)
+    return torch.zeros(mask.shape, device=logp.device).masked_scatter(mask, logp[:, 0]), mask
 
 
 def token_values(critic, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """A value model's value (``...ForTokenClassification``, 1 label) of each state that precedes
     a scored target, aligned with ``token_logps``, and the mask of scored ones (OpenRLHF's
-    critic reads the same positions)."""
-    values, targets = at_targets(critic(**forward_inputs(batch)).logits[..., 0], batch)
-    mask = targets != IGNORE
-    return values.float() * mask, mask
+    critic reads the same positions). Packed like ``token_logps`` when the batch says so."""
+    values, mask = _scored_outputs(critic, batch, lambda out: out.logits[..., 0])
+    return torch.zeros(mask.shape, device=values.device).masked_scatter(mask, values.float()), mask
 
 
 def last_attended(mask: torch.Tensor) -> torch.Tensor:
