@@ -3,10 +3,11 @@
 and held-out exact match after the same number of steps.
 
 python benchmarks/bench_grpo.py [--steps 100] [--rounds 3] [--skip 5] [--zero_stage 2] \
-    [--out /tmp/bench_grpo] [--sft_steps N] [--packing]
+    [--out /tmp/bench_grpo] [--sft_steps N] [--packing off|on|both]
 
-``--packing``: ours runs with ``--packing_samples`` (its update forwards skip the padding; TRL
-1.16's GRPOTrainer pads, so that side does the padded work either way).
+``--packing on``: ours runs with ``--packing_samples`` (its update forwards skip the padding; TRL
+1.16's GRPOTrainer pads, so that side does the padded work either way); ``both``: ours padded,
+ours packed and TRL take turns in every round (three sides, the order rotating).
 
 Start (made once, reused from ``--out``): the GRPO example's data (``python -m
 strategy.demos.toy_task make OUT/data --hard``) and its SFT model (the SFT step of
@@ -263,7 +264,7 @@ def figures(step_s: list[float], rollout_s: list[float], rewards: list[float], s
             "reward": statistics.fmean(rewards[-10:])}
 
 
-def run_ours(args, tag: str) -> dict:
+def run_ours(args, tag: str, packing: bool = False) -> dict:
     root = os.path.join(args.out, "runs", tag)
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
@@ -273,7 +274,7 @@ def run_ours(args, tag: str) -> dict:
                         "--dataset", os.path.join(args.out, "data", "train.jsonl"),
                         "--max_steps", str(args.steps), "--zero_stage", str(args.zero_stage),
                         "--save_path", model, "--ckpt_path", os.path.join(root, "ckpt"),
-                        "--log_dir", logs, *(["--packing_samples"] if args.packing else [])),
+                        "--log_dir", logs, *(["--packing_samples"] if packing else [])),
                os.path.join(root, "launch.log"))
     rows = [json.loads(line) for line in open(os.path.join(logs, "metrics.jsonl"))]
     rows = [r for r in rows if "train/step_time" in r]
@@ -317,20 +318,21 @@ def report(args, start: float, results: dict[str, list[dict]]) -> None:
     print(f"\nGRPO, 2 CPU ranks, ZeRO-{args.zero_stage}, fp32: 16 prompts x 8 completions per "
           f"step, {args.steps} steps, timed steps {args.skip + 1}-{args.steps}, "
           f"{args.rounds} round(s), median [min-max] over rounds")
-    print(f"{'side':<5} {'s/step':<22} {'rollout s/step':<22} {'update s/step':<22} "
+    print(f"{'side':<11} {'s/step':<22} {'rollout s/step':<22} {'update s/step':<22} "
           f"{'held-out exact match %':<23} {'reward, last 10':<20} wall s (launch to exit)")
     for side, runs in results.items():
         cols = [spread([r[key] for r in runs]) for key in STEP_KEYS]
         cols += [spread([r["accuracy"] for r in runs], ".1f"),
                  spread([r["reward"] for r in runs]), spread([r["wall_s"] for r in runs], ".0f")]
-        print(f"{side:<5} " + " ".join(f"{c:<22}" for c in cols[:3]) +
+        print(f"{side:<11} " + " ".join(f"{c:<22}" for c in cols[:3]) +
               f" {cols[3]:<23} {cols[4]:<20} {cols[5]}")
-    ratios = [t["step_s"] / o["step_s"] for o, t in zip(results["ours"], results["TRL"])]
-    print("TRL s/step / ours s/step per round: " + ", ".join(f"{r:.2f}" for r in ratios) +
-          f" -> median {spread(ratios, '.2f')}")
-    for key in ("rollout_s", "update_s"):
-        parts = [t[key] / o[key] for o, t in zip(results["ours"], results["TRL"])]
-        print(f"  {key[:-2]} alone: median {spread(parts, '.2f')}")
+    for ours in (side for side in results if side.startswith("ours")):
+        ratios = [t["step_s"] / o["step_s"] for o, t in zip(results[ours], results["TRL"])]
+        print(f"TRL s/step / {ours} s/step per round: " + ", ".join(f"{r:.2f}" for r in ratios)
+              + f" -> median {spread(ratios, '.2f')}")
+        for key in ("rollout_s", "update_s"):
+            parts = [t[key] / o[key] for o, t in zip(results[ours], results["TRL"])]
+            print(f"  {key[:-2]} alone: median {spread(parts, '.2f')}")
     print(f"start (SFT model) held-out exact match: {start:.1f}%")
 
 
@@ -343,8 +345,9 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/bench_grpo", help="data, SFT model and runs")
     parser.add_argument("--sft_steps", type=int, default=None,
                         help="shorten the SFT start (smoke tests; default configs/grpo_sft.yaml's)")
-    parser.add_argument("--packing", action="store_true",
-                        help="ours with --packing_samples (padding-free update forwards)")
+    parser.add_argument("--packing", choices=("off", "on", "both"), default="off",
+                        help="ours with --packing_samples (padding-free update forwards), or "
+                             "both ways side by side")
     parser.add_argument("--job", choices=("trl",), help=argparse.SUPPRESS)
     parser.add_argument("--save", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -357,10 +360,15 @@ def main() -> None:
         print(f"--skip lowered to {args.skip}: it must leave timed steps", flush=True)
     print_trl_settings(args.steps)
     start = setup(args)
-    results: dict[str, list[dict]] = {"ours": [], "TRL": []}
-    sides = {"ours": run_ours, "TRL": run_trl}
+    sides = {"ours": lambda a, tag: run_ours(a, tag, packing=args.packing == "on"),
+             "TRL": run_trl}
+    if args.packing == "both":
+        sides["ours_packed"] = lambda a, tag: run_ours(a, tag, packing=True)
+    results: dict[str, list[dict]] = {side: [] for side in sides}
+    names = list(sides)
     for rnd in range(args.rounds):
-        order = ("ours", "TRL") if rnd % 2 == 0 else ("TRL", "ours")
+        order = (names[rnd % len(names):] + names[:rnd % len(names)]) if len(names) > 2 else (
+            names if rnd % 2 == 0 else names[::-1])
         for side in order:
             tag = f"{side.lower()}_z{args.zero_stage}_r{rnd}"
             results[side].append(sides[side](args, tag))

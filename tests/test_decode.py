@@ -122,3 +122,22 @@ def test_decode_refuses_settings_it_does_not_implement():
                               pad_token_id=0, eos_token_id=2)
     with pytest.raises(ValueError, match="repetition_penalty"):
         decode(model, ids, mask, config)
+
+
+def test_rollouts_fall_back_to_generate_where_decode_cannot_run(monkeypatch):
+    """A model whose cache or logits ``decode`` cannot handle generates with ``generate`` (the
+    same tokens); one that can goes through ``decode``."""
+    import strategy.rollout as rollout
+
+    model = _llama()
+    ids, mask = _prompts(pad=1)
+    config = GenerationConfig(max_new_tokens=NEW, do_sample=True, temperature=0.7,
+                              pad_token_id=1, eos_token_id=5)
+    want = _hf(model, ids, mask, config, 3)
+    calls = []
+    monkeypatch.setattr(rollout, "decode", lambda *a: calls.append(1) or decode(*a))
+    for can in (True, False):
+        monkeypatch.setattr(rollout, "supports", lambda module, can=can: can)
+        torch.manual_seed(3)
+        assert torch.equal(rollout.whole_generate(model, ids, mask, config, GROUP), want)
+    assert calls == [1]  # decode ran once: when the model supports it

@@ -1,0 +1,116 @@
+"""GRPO/PPO's ``--packing_samples`` on rollouts of very different lengths: one update micro-batch's
+policy forward + backward and reference forward through ``token_logps``, padded (sdpa) vs
+padding-free (one packed row, ``sdpa_varlen``), in one process.
+
+python benchmarks/bench_rl_packing.py [--rounds 5] [--rows 16] [--prompt 64] [--longest 512]
+
+Both ways take the same micro-batch (``--rows`` completions of a ``--prompt``-token prompt,
+completion lengths drawn uniformly from 1 to ``--longest``: what reasoning rollouts look like,
+right-padded as GRPO's micro-batches are), the same model (bench_long's: LLaMA, hidden 256, 4
+layers, vocabulary 32000, fp32) and weights, the same loss; each way warms up once, then they
+alternate (padded, packed | packed, padded | ...). Every round checks the two ways' log-probs
+agree (1e-4). Figure: useful (non-padding) tokens per second of the whole update (policy forward
+and backward plus the reference forward), median [min-max] over rounds, and packed / padded per
+round. Also printed: the toy GRPO example's shape (``--prompt 12 --longest 14``), where the padding
+is small and the per-sample attention calls cost about what they save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+MODEL = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+         "vocab_size": 32000, "max_position_embeddings": 4096}
+
+
+def micro_batch(rows: int, prompt: int, longest: int, seed: int) -> dict:
+    """A right-padded GRPO micro-batch: prompts of ``prompt`` tokens, completions of 1 to
+    ``longest`` tokens, labels on the completions only."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, longest + 1, (rows,), generator=g).tolist()
+    width = prompt + max(lengths)
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    labels = torch.full((rows, width), -100)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, :prompt + n] = torch.randint(3, MODEL["vocab_size"], (prompt + n,), generator=g)
+        labels[row, prompt:prompt + n] = ids[row, prompt:prompt + n]
+        mask[row, :prompt + n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def update_seconds(policy, reference, batch: dict) -> tuple[float, torch.Tensor]:
+    from strategy.trainers.losses import token_logps
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        token_logps(reference, batch, 0.7)
+    logp, mask = token_logps(policy, batch, 0.7)
+    (logp.sum() / mask.sum()).backward()
+    policy.zero_grad(set_to_none=True)
+    return time.perf_counter() - start, logp.detach()
+
+
+def measure(args, prompt: int, longest: int) -> dict:
+    import strategy  # noqa: F401  registers sdpa_varlen
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from strategy.trainers.losses import padding_free
+
+    config = AutoConfig.for_model(**MODEL)
+    torch.manual_seed(0)
+    models = {way: AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+              for way, impl in (("padded", "sdpa"), ("packed", "sdpa_varlen"))}
+    models["packed"].load_state_dict(models["padded"].state_dict())
+    batch = micro_batch(args.rows, prompt, longest, seed=1)
+    batches = {"padded": batch,
+               "packed": {**batch, **padding_free(batch["input_ids"], batch["attention_mask"])}}
+    useful = int(batch["attention_mask"].sum())
+    times: dict[str, list[float]] = {"padded": [], "packed": []}
+    for index in range(args.rounds + 1):  # round 0 warms both up
+        order = ("padded", "packed") if index % 2 else ("packed", "padded")
+        logps = {}
+        for way in order:
+            seconds, logps[way] = update_seconds(models[way], models[way], batches[way])
+            if index:
+                times[way].append(seconds)
+        torch.testing.assert_close(logps["packed"], logps["padded"], rtol=1e-4, atol=1e-4)
+    rates = {way: [useful / s for s in values] for way, values in times.items()}
+    ratios = [p / q for p, q in zip(times["padded"], times["packed"])]
+    return {"useful": useful, "positions": batch["input_ids"].numel(), "rates": rates,
+            "ratios": ratios}
+
+
+def show(name: str, result: dict) -> None:
+    def spread(values, fmt=".0f"):
+        return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+
+    share = 1 - result["useful"] / result["positions"]
+    print(f"{name}: {result['useful']} tokens in {result['positions']} padded positions "
+          f"({share:.0%} padding); useful tokens/s of the update:")
+    for way, values in result["rates"].items():
+        print(f"  {way:<7} {spread(values)}")
+    print(f"  packed / padded per round: median {spread(result['ratios'], '.2f')}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--longest", type=int, default=512)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    show(f"{args.rows} completions of 1-{args.longest} tokens after a {args.prompt}-token prompt",
+         measure(args, args.prompt, args.longest))
+    show(f"the toy GRPO example's shape ({args.rows} completions of 1-14 tokens, 12-token "
+         "prompts)", measure(args, 12, 14))
+
+
+if __name__ == "__main__":
+    main()
