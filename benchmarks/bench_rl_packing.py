@@ -57,9 +57,9 @@ def update_seconds(policy, reference, batch: dict) -> tuple[float, torch.Tensor]
 
 
 def measure(args, prompt: int, longest: int) -> dict:
-    import strategy  # noqa: F401  registers sdpa_varlen
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    import strategy  # noqa: F401  registers sdpa_varlen
     from strategy.trainers.losses import padding_free
 
     config = AutoConfig.for_model(**MODEL)
