@@ -90,8 +90,7 @@ def prefill_groups(module: nn.Module, input_ids: torch.Tensor, attention_mask: t
     """
     model = base_model(module)
     rows, width = input_ids.shape
-    ok = (group > 1 and width > 1 and rows % group == 0
-          and model._supports_default_dynamic_cache() and model._supports_logits_to_keep())
+    ok = group > 1 and width > 1 and rows % group == 0 and supports(module)
     unique_ids, unique_mask = input_ids[::group], attention_mask[::group]
     ok = ok and torch.equal(unique_ids.repeat_interleave(group, 0), input_ids) and torch.equal(
         unique_mask.repeat_interleave(group, 0), attention_mask)

@@ -102,18 +102,19 @@ def padding_free(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
             "pack_index": index}
 
 
-def _scored_outputs(module, batch: dict, read: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``read(output)`` (1 x tokens x ...) at the position predicting each scored target, the
-    positions in ``at_targets`` order of a padded forward, and the scored mask; the forward runs
-    packed (``padding_free``) when the batch carries its keys."""
-    targets, _ = targets_of(batch)
-    mask = targets != IGNORE
-    if "pack_index" not in batch:
-        per_position, _ = at_targets(read(module(**forward_inputs(batch))), batch)
-        return per_position[mask], mask
+def _packed_scored(module, batch: dict, read: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed forward (``padding_free``'s keys): ``read(output)`` (1 x tokens x ...) at the
+    position predicting each scored target, in a padded forward's ``at_targets`` order, and the
+    scored mask (rows x width - 1)."""
+    mask = targets_of(batch)[0] != IGNORE
     out = module(input_ids=batch["packed_input_ids"],
                  position_ids=batch["packed_position_ids"], use_cache=False)
     return read(out)[0][batch["pack_index"][:, :-1][mask]], mask
+
+
+def _laid_out(mask: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """``scored`` (one value per True of ``mask``) in ``mask``'s layout, zero elsewhere."""
+    return torch.zeros(mask.shape, device=scored.device).masked_scatter(mask, scored.float())
 
 
 def token_logps(engine, batch: dict,
@@ -121,24 +122,28 @@ def token_logps(engine, batch: dict,
     """Per-position log-probability of each next-token target, and the mask of scored ones;
     ``temperature`` scales the logits first (the distribution a sampler drew from). A batch with
     ``padding_free``'s keys is forwarded without its padding; the result is laid out alike."""
-    if "pack_index" not in batch or "shift_labels" in batch:
-        logits, targets = at_targets(engine(**forward_inputs(batch)).logits, batch)
-        mask = targets != IGNORE
-        picked = targets.clamp(min=0).unsqueeze(-1)
+    if "pack_index" in batch:
+        logits, mask = _packed_scored(engine, batch, lambda out: out.logits)
+        picked = targets_of(batch)[0][mask].unsqueeze(-1)
         logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, picked)
-        return logp.squeeze(-1) * mask, mask
-    logits, mask = _scored_outputs(engine, batch, lambda out: out.logits)
-    picked = targets_of(batch)[0][mask].unsqueeze(-1)
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, picked)
-    return torch.zeros(mask.shape, device=logp.device).masked_scatter(mask, logp[:, 0]), mask
+        return _laid_out(mask, logp[:, 0]), mask
+    logits, targets = at_targets(engine(**forward_inputs(batch)).logits, batch)
+    mask = targets != IGNORE
+    picked = targets.clamp(min=0).unsqueeze(-1)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, picked).squeeze(-1)
+    return logp * mask, mask
 
 
 def token_values(critic, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """A value model's value (``...ForTokenClassification``, 1 label) of each state that precedes
     a scored target, aligned with ``token_logps``, and the mask of scored ones (OpenRLHF's
     critic reads the same positions). Packed like ``token_logps`` when the batch says so."""
-    values, mask = _scored_outputs(critic, batch, lambda out: out.logits[..., 0])
-    return torch.zeros(mask.shape, device=values.device).masked_scatter(mask, values.float()), mask
+    if "pack_index" in batch:
+        values, mask = _packed_scored(critic, batch, lambda out: out.logits[..., 0])
+        return _laid_out(mask, values), mask
+    values, targets = at_targets(critic(**forward_inputs(batch)).logits[..., 0], batch)
+    mask = targets != IGNORE
+    return values.float() * mask, mask
 
 
 def last_attended(mask: torch.Tensor) -> torch.Tensor:
