@@ -99,17 +99,22 @@ def train(root: str, name: str, **extra) -> dict:
         attention = {"policy": trainer.model.module.config._attn_implementation,
                      "reference": trainer.ref_model.module.config._attn_implementation}
         packed = {"policy": 0, "reference": 0}  # forwards of one packed row (no attention mask)
+        shared = {"policy": [], "reference": []}  # rows of each update forward on a KV cache
 
         def count(name):
             def hook(module, args, kwargs):
                 packed[name] += kwargs.get("attention_mask") is None and kwargs[
                     "input_ids"].shape[0] == 1
+                if kwargs.get("cache") is not None and (name == "reference" or
+                                                        torch.is_grad_enabled()):
+                    shared[name].append(int(kwargs["input_ids"].shape[0]))
             return hook
 
         trainer.model.module.register_forward_pre_hook(count("policy"), with_kwargs=True)
         trainer.ref_model.module.register_forward_pre_hook(count("reference"), with_kwargs=True)
         final = trainer.fit()
-    return {"history": trainer.history, "final": final, "attention": attention, "packed": packed}
+    return {"history": trainer.history, "final": final, "attention": attention, "packed": packed,
+            "shared": shared}
 
 
 @pytest.mark.slow
@@ -151,26 +156,36 @@ def test_first_update_and_exact_resume(ranks, toy):
 
 
 @pytest.mark.slow
-def test_padding_free_updates_match_padded_ones(ranks, toy):
-    """``--packing_samples``: the update's forwards (policy and reference) run without padding on
-    ``sdpa_varlen`` and log what the padded run logs (one rollout, two optimizer steps)."""
-    runs = {packed: ranks.run(train, str(toy), f"packed{int(packed)}", max_steps=2,
-                              packing_samples=packed)
-            for packed in (False, True)}
-    assert [r["attention"] for r in runs[True]] == [{"policy": "sdpa_varlen",
-                                                    "reference": "sdpa_varlen"}] * 2
-    assert runs[False][0]["attention"]["policy"] == "sdpa"
-    assert [r["packed"] for r in runs[False]] == [{"policy": 0, "reference": 0}] * 2
-    for r in runs[True]:  # 2 micro-batches per rank: 2 steps x 2 policy forwards, 1 reference pass
+def test_padding_free_and_shared_prompt_updates_match_per_row_ones(ranks, toy):
+    """The update's forwards (policy and reference) three ways log the same figures (one
+    rollout, two optimizer steps): per row (prompt + completion, padded), each distinct prompt
+    once with its completions on its cache (the default; at ZeRO-2 and ZeRO-3, whose per-forward
+    gathers then run twice per micro-batch), and ``--packing_samples`` (no padding, on
+    ``sdpa_varlen``)."""
+    runs = {name: ranks.run(train, str(toy), name, max_steps=2, **extra) for name, extra in (
+        ("per_row", {"shared_prompt_forward": False}), ("shared", {}),
+        ("packed", {"packing_samples": True}), ("shared_zero3", {"zero_stage": 3}))}
+    assert [r["attention"] for r in runs["packed"]] == [{"policy": "sdpa_varlen",
+                                                        "reference": "sdpa_varlen"}] * 2
+    assert runs["per_row"][0]["attention"]["policy"] == "sdpa"
+    for name in ("per_row", "shared"):
+        assert [r["packed"] for r in runs[name]] == [{"policy": 0, "reference": 0}] * 2
+    for r in runs["packed"]:  # 2 micro-batches per rank: 2 steps x 2 policy forwards, 1 ref pass
         assert r["packed"] == {"policy": 4, "reference": 2}, r["packed"]
-    padded, packed = runs[False][0]["history"], runs[True][0]["history"]
-    assert [r["step"] for r in packed] == [1, 2]
-    for want, got in zip(padded, packed):
-        assert got["reward"] == want["reward"] and got["completion_length"] == want[
-            "completion_length"]  # the same rollout
-        for key in ("loss", "kl", "ratio", "grad_norm"):
-            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
-    assert packed[1]["kl"] > 0 and packed[1]["ratio"] != 1.0  # the second step moved off
+        assert r["shared"] == {"policy": [], "reference": []}
+    assert runs["per_row"][0]["shared"] == {"policy": [], "reference": []}
+    for r in runs["shared"] + runs["shared_zero3"]:  # a micro-batch of 8 holds 2 prompts x 4:
+        assert r["shared"] == {"policy": [2, 8] * 4, "reference": [2, 8] * 2}, r["shared"]
+    per_row = runs["per_row"][0]["history"]  # (2 rows, then the 8 on their cache)
+    for name in ("shared", "packed", "shared_zero3"):
+        got_rows = runs[name][0]["history"]
+        assert [r["step"] for r in got_rows] == [1, 2]
+        for want, got in zip(per_row, got_rows):
+            assert got["reward"] == want["reward"] and got["completion_length"] == want[
+                "completion_length"]  # the same rollout
+            for key in ("loss", "kl", "ratio", "grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (name, key)
+        assert got_rows[1]["kl"] > 0 and got_rows[1]["ratio"] != 1.0  # the second step moved off
 
 
 def greedy_tokens(root: str, stage: int, gather: str = "full") -> dict:

@@ -61,6 +61,7 @@ from strategy.trainers.losses import (
     outcome_token_rewards,
     padding_free,
     scored_mask,
+    shared_prompts,
     token_logps,
     token_moments,
     whiten,
@@ -122,7 +123,9 @@ class GRPOTrainer(Trainer):
         answer_key: the row key of the reference answer for eval ``exact_match`` (None: off).
         packing: forward the update's micro-batches (policy, reference, critic) without their
             padding (``--packing_samples``: one packed row per micro-batch, per-sample attention
-            on ``sdpa_varlen`` or flash attention; ``losses.padding_free``).
+            on ``sdpa_varlen`` or flash attention; ``losses.padding_free``). Otherwise, with
+            ``grpo.shared_prompt_forward`` (default), each distinct prompt of a micro-batch is
+            forwarded once and its completions on its KV cache (``losses.shared_prompts``).
 
     Raises:
         ConfigError: ``grpo`` or ``reward`` is missing, or ``kl_coef`` > 0 without ``ref_model``.
@@ -397,6 +400,8 @@ class GRPOTrainer(Trainer):
                  "rewards": rewards.clone(), "rollout_index": index}
         if self.packing:  # the forwards skip the padding; their outputs come back padded
             batch.update(padding_free(batch["input_ids"], batch["attention_mask"]))
+        elif self.grpo.shared_prompt_forward:  # each distinct prompt forwarded once
+            batch.update(shared_prompts(prompts, completions, pad))
         return batch
 
     # ------------------------------------------------------------ update

@@ -38,6 +38,7 @@ from strategy.trainers.losses.lm import (
     padding_free,
     scored_mask,
     sequence_scores,
+    shared_prompts,
     tiled_loss_sum,
     token_logps,
     token_values,
@@ -48,6 +49,6 @@ __all__ = ["DPO_LOSSES", "ESTIMATORS", "IGNORE", "OUTCOME_ESTIMATORS", "discount
            "outcome_token_rewards", "token_moments", "whiten",
            "group_advantages", "grpo_token_losses", "kto_losses", "last_attended", "orpo_losses",
            "padding_free", "pairwise_losses", "pairwise_metrics", "response_loss", "scored_mask",
-           "sequence_scores",
+           "sequence_scores", "shared_prompts",
            "simpo_losses", "tiled_loss_sum", "token_logps", "token_values",
            "value_token_losses"]

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from strategy.model import base_model
 from strategy.trainers.losses.formulas import IGNORE
@@ -102,6 +104,84 @@ def padding_free(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
             "pack_index": index}
 
 
+def shared_prompts(prompts: list[list[int]], completions: list[list[int]], pad: int) -> dict:
+    """The keys that make ``token_logps`` and ``token_values`` forward each distinct prompt of a
+    batch once and every completion on its prompt's KV cache, instead of prompt + completion per
+    row: a GRPO group's ``G`` rows share one prompt, whose forward (and backward) then runs once
+    for them, not ``G`` times. The same log-probs and gradients to float rounding (the attention
+    sums over the same keys); the outputs come back in the padded layout.
+
+    Args:
+        prompts: each row's prompt tokens (no padding).
+        completions: each row's completion tokens, the row's scored targets.
+        pad: the id that pads (never attended).
+
+    Returns:
+        ``prefix_ids`` / ``prefix_mask`` (distinct prompts, left-padded), ``prefix_index`` (each
+        row's prompt among them), ``suffix_ids`` / ``suffix_mask`` / ``suffix_position_ids``
+        (the completions, right-padded, their positions after their prompt's); empty when no
+        prompt repeats (nothing to share) or one is empty.
+    """
+    index: dict[tuple[int, ...], int] = {}
+    inverse = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    if len(index) == len(prompts) or not all(prompts):
+        return {}
+    width, long = max(map(len, index)), max(1, *map(len, completions))
+    starts = torch.tensor([len(p) for p in prompts])
+    return {"prefix_ids": torch.tensor([[pad] * (width - len(p)) + list(p) for p in index]),
+            "prefix_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in index]),
+            "prefix_index": torch.tensor(inverse),
+            "suffix_ids": torch.tensor([c + [pad] * (long - len(c)) for c in completions]),
+            "suffix_mask": torch.tensor([[1] * len(c) + [0] * (long - len(c))
+                                         for c in completions]),
+            "suffix_position_ids": starts[:, None] + torch.arange(long)}
+
+
+def _plain_cache(model) -> DynamicCache | None:
+    """A dynamic cache of full-attention layers for ``model``, or None where its cache is another
+    kind (sliding windows, linear attention: the shared forward would not see what a per-row one
+    sees)."""
+    if not getattr(model, "_supports_default_dynamic_cache", lambda: True)():
+        return None
+    cache = DynamicCache(config=model.config)
+    return cache if all(type(layer) is DynamicLayer for layer in cache.layers) else None
+
+
+def _shares_prompts(module, batch: dict) -> bool:
+    """Whether this forward takes ``shared_prompts``' path: the batch has its keys and the
+    model's cache is ``_plain_cache``'s; not a training forward under gradient checkpointing (its
+    recomputation would fill the cache twice). The same answer on every rank for the same model
+    and batch layout, so ZeRO-3's per-forward gathers stay in step."""
+    if "prefix_index" not in batch:
+        return False
+    model = base_model(getattr(module, "module", module))
+    checkpointed = torch.is_grad_enabled() and getattr(model, "is_gradient_checkpointing", False)
+    return not checkpointed and _plain_cache(model) is not None
+
+
+def _prefix_scored(module, batch: dict, read: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``shared_prompts``' forward: ``read(output)`` at the position predicting each scored
+    target (the prompt's last position, then the completion's), in ``at_targets`` order, and the
+    scored mask (rows x width - 1)."""
+    mask = targets_of(batch)[0] != IGNORE
+    model = base_model(getattr(module, "module", module))
+    keep = {"logits_to_keep": 1} if getattr(model, "_supports_logits_to_keep", bool)() else {}
+    prefix_mask, index = batch["prefix_mask"], batch["prefix_index"]
+    positions = (prefix_mask.long().cumsum(-1) - 1).masked_fill(prefix_mask == 0, 1)
+    cache = _plain_cache(model)
+    first = read(module(input_ids=batch["prefix_ids"], attention_mask=prefix_mask,
+                        position_ids=positions, cache=cache, use_cache=True, **keep))[:, -1:]
+    cache.batch_select_indices(index)  # each row's prompt keys and values (autograd follows)
+    rest = read(module(input_ids=batch["suffix_ids"],
+                       attention_mask=torch.cat([prefix_mask[index], batch["suffix_mask"]], 1),
+                       position_ids=batch["suffix_position_ids"], cache=cache, use_cache=True))
+    scored = torch.cat([first[index], rest[:, :-1]], 1)[batch["suffix_mask"].bool()]
+    if scored.shape[0] != int(mask.sum()):
+        raise ValueError(f"shared_prompts' completions hold {scored.shape[0]} tokens, the labels "
+                         f"score {int(mask.sum())}: build them from the same rows")
+    return scored, mask
+
+
 def _packed_scored(module, batch: dict, read: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """A packed forward (``padding_free``'s keys): ``read(output)`` (1 x tokens x ...) at the
     position predicting each scored target, in a padded forward's ``at_targets`` order, and the
@@ -121,9 +201,11 @@ def token_logps(engine, batch: dict,
                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position log-probability of each next-token target, and the mask of scored ones;
     ``temperature`` scales the logits first (the distribution a sampler drew from). A batch with
-    ``padding_free``'s keys is forwarded without its padding; the result is laid out alike."""
-    if "pack_index" in batch:
-        logits, mask = _packed_scored(engine, batch, lambda out: out.logits)
+    ``padding_free``'s keys is forwarded without its padding, one with ``shared_prompts``' keys
+    runs each distinct prompt once; the result is laid out alike."""
+    if "pack_index" in batch or _shares_prompts(engine, batch):
+        scored = _packed_scored if "pack_index" in batch else _prefix_scored
+        logits, mask = scored(engine, batch, lambda out: out.logits)
         picked = targets_of(batch)[0][mask].unsqueeze(-1)
         logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, picked)
         return _laid_out(mask, logp[:, 0]), mask
@@ -137,9 +219,11 @@ def token_logps(engine, batch: dict,
 def token_values(critic, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """A value model's value (``...ForTokenClassification``, 1 label) of each state that precedes
     a scored target, aligned with ``token_logps``, and the mask of scored ones (OpenRLHF's
-    critic reads the same positions). Packed like ``token_logps`` when the batch says so."""
-    if "pack_index" in batch:
-        values, mask = _packed_scored(critic, batch, lambda out: out.logits[..., 0])
+    critic reads the same positions). Packed or prompt-shared like ``token_logps`` when the batch
+    says so."""
+    if "pack_index" in batch or _shares_prompts(critic, batch):
+        scored = _packed_scored if "pack_index" in batch else _prefix_scored
+        values, mask = scored(critic, batch, lambda out: out.logits[..., 0])
         return _laid_out(mask, values), mask
     values, targets = at_targets(critic(**forward_inputs(batch)).logits[..., 0], batch)
     mask = targets != IGNORE
