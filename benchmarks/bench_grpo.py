@@ -3,11 +3,14 @@
 and held-out exact match after the same number of steps.
 
 python benchmarks/bench_grpo.py [--steps 100] [--rounds 3] [--skip 5] [--zero_stage 2] \
-    [--out /tmp/bench_grpo] [--sft_steps N] [--packing off|on|both]
+    [--out /tmp/bench_grpo] [--sft_steps N] [--ours shared,per_row,packed] [--seed 42]
 
-``--packing on``: ours runs with ``--packing_samples`` (its update forwards skip the padding; TRL
-1.16's GRPOTrainer pads, so that side does the padded work either way); ``both``: ours padded,
-ours packed and TRL take turns in every round (three sides, the order rotating).
+``--ours``: which of our update forwards run beside TRL, comma-separated, each a side of its own
+(the order rotating every round): ``shared`` (``--shared_prompt_forward``, the default below
+ZeRO-3: each group's prompt forwarded once, its completions on that prompt's KV cache),
+``per_row`` (``--no-shared_prompt_forward``, the default at ZeRO-3: prompt + completion per row,
+padded, as TRL 1.16's GRPOTrainer forwards), ``packed``
+(``--packing_samples``: padding-free rows). TRL does the per-row work whichever ours runs.
 
 Start (made once, reused from ``--out``): the GRPO example's data (``python -m
 strategy.demos.toy_task make OUT/data --hard``) and its SFT model (the SFT step of
@@ -99,7 +102,7 @@ OURS = {"group_size": 8, "micro_train_batch_size": 64, "train_batch_size": 128,
         "logging_steps": 1, "eval_steps": -1, "save_steps": -1}
 
 
-def trl_settings(steps: int) -> dict:
+def trl_settings(steps: int, seed: int = OURS["seed"]) -> dict:
     """TRL's GRPOConfig for the same run (the DeepSpeed config is added in the job)."""
     return dict(
         num_generations=OURS["group_size"], per_device_train_batch_size=64,
@@ -113,7 +116,7 @@ def trl_settings(steps: int) -> dict:
         loss_type="dapo", scale_rewards="group", importance_sampling_level="token",
         use_bias_correction_kl=False, mask_truncated_completions=False, disable_dropout=True,
         gradient_checkpointing=False, activation_checkpointing=False, bf16=False, fp16=False,
-        ds3_gather_for_generation=True, use_vllm=False, shuffle_dataset=True, seed=OURS["seed"],
+        ds3_gather_for_generation=True, use_vllm=False, shuffle_dataset=True, seed=seed,
         logging_strategy="no", eval_strategy="no", save_strategy="no", report_to="none",
         log_completions=False, disable_tqdm=True, use_cpu=True, dataloader_num_workers=0,
         model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"})
@@ -164,7 +167,7 @@ def trl_job(args) -> None:
                                         train_batch_size=OURS["train_batch_size"],
                                         max_norm=OURS["max_norm"]), world)
     config = GRPOConfig(output_dir=args.save + "_trainer", deepspeed=ds,
-                        **trl_settings(args.steps))
+                        **trl_settings(args.steps, args.seed))
     # on CPU, accelerate starts torch.distributed but not DeepSpeed's comm, which ZeRO-3's
     # zero.Init (model loading) reads its world size from (else 1: a batch-size mismatch)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -264,7 +267,11 @@ def figures(step_s: list[float], rollout_s: list[float], rewards: list[float], s
             "reward": statistics.fmean(rewards[-10:])}
 
 
-def run_ours(args, tag: str, packing: bool = False) -> dict:
+OURS_FLAGS = {"shared": ["--shared_prompt_forward"], "per_row": ["--no-shared_prompt_forward"],
+              "packed": ["--packing_samples"]}
+
+
+def run_ours(args, tag: str, forward: str = "shared") -> dict:
     root = os.path.join(args.out, "runs", tag)
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
@@ -273,8 +280,9 @@ def run_ours(args, tag: str, packing: bool = False) -> dict:
                         "--pretrain", os.path.join(args.out, "sft"),
                         "--dataset", os.path.join(args.out, "data", "train.jsonl"),
                         "--max_steps", str(args.steps), "--zero_stage", str(args.zero_stage),
+                        "--seed", str(args.seed),
                         "--save_path", model, "--ckpt_path", os.path.join(root, "ckpt"),
-                        "--log_dir", logs, *(["--packing_samples"] if packing else [])),
+                        "--log_dir", logs, *OURS_FLAGS[forward]),
                os.path.join(root, "launch.log"))
     rows = [json.loads(line) for line in open(os.path.join(logs, "metrics.jsonl"))]
     rows = [r for r in rows if "train/step_time" in r]
@@ -291,7 +299,7 @@ def run_trl(args, tag: str) -> dict:
     os.makedirs(root)
     model, log = os.path.join(root, "model"), os.path.join(root, "launch.log")
     wall = run(torchrun(os.path.abspath(__file__), "--job", "trl", "--out", args.out,
-                        "--save", model, "--steps", str(args.steps),
+                        "--save", model, "--steps", str(args.steps), "--seed", str(args.seed),
                         "--zero_stage", str(args.zero_stage)), log)
     lines = [ln for ln in open(log) if ln.startswith("RESULT ")]
     if not lines:
@@ -345,9 +353,11 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/bench_grpo", help="data, SFT model and runs")
     parser.add_argument("--sft_steps", type=int, default=None,
                         help="shorten the SFT start (smoke tests; default configs/grpo_sft.yaml's)")
-    parser.add_argument("--packing", choices=("off", "on", "both"), default="off",
-                        help="ours with --packing_samples (padding-free update forwards), or "
-                             "both ways side by side")
+    parser.add_argument("--seed", type=int, default=OURS["seed"],
+                        help="both sides' seed (sampling, prompt order): the accuracy's spread")
+    parser.add_argument("--ours", default="shared",
+                        help="our update forwards, comma-separated, each a side: "
+                             + ", ".join(OURS_FLAGS) + " (see the docstring)")
     parser.add_argument("--job", choices=("trl",), help=argparse.SUPPRESS)
     parser.add_argument("--save", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -360,10 +370,13 @@ def main() -> None:
         print(f"--skip lowered to {args.skip}: it must leave timed steps", flush=True)
     print_trl_settings(args.steps)
     start = setup(args)
-    sides = {"ours": lambda a, tag: run_ours(a, tag, packing=args.packing == "on"),
-             "TRL": run_trl}
-    if args.packing == "both":
-        sides["ours_packed"] = lambda a, tag: run_ours(a, tag, packing=True)
+    forwards = [f.strip() for f in args.ours.split(",") if f.strip()]
+    if not forwards or set(forwards) - set(OURS_FLAGS):
+        raise SystemExit(f"--ours {args.ours!r}: use a comma-separated list of "
+                         + ", ".join(OURS_FLAGS))
+    sides = {("ours" if f == "shared" else f"ours_{f}"): (
+        lambda a, tag, f=f: run_ours(a, tag, f)) for f in forwards}
+    sides["TRL"] = run_trl
     results: dict[str, list[dict]] = {side: [] for side in sides}
     names = list(sides)
     for rnd in range(args.rounds):

@@ -158,13 +158,13 @@ def test_first_update_and_exact_resume(ranks, toy):
 @pytest.mark.slow
 def test_padding_free_and_shared_prompt_updates_match_per_row_ones(ranks, toy):
     """The update's forwards (policy and reference) three ways log the same figures (one
-    rollout, two optimizer steps): per row (prompt + completion, padded), each distinct prompt
-    once with its completions on its cache (the default; at ZeRO-2 and ZeRO-3, whose per-forward
-    gathers then run twice per micro-batch), and ``--packing_samples`` (no padding, on
-    ``sdpa_varlen``)."""
+    rollout, two optimizer steps): per row (prompt + completion, padded: ZeRO-3's default, where
+    every forward call gathers the weights), each distinct prompt once with its completions on
+    its cache (the default below ZeRO-3, and asked for at ZeRO-3), and ``--packing_samples`` (no
+    padding, on ``sdpa_varlen``)."""
     runs = {name: ranks.run(train, str(toy), name, max_steps=2, **extra) for name, extra in (
-        ("per_row", {"shared_prompt_forward": False}), ("shared", {}),
-        ("packed", {"packing_samples": True}), ("shared_zero3", {"zero_stage": 3}))}
+        ("per_row", {"zero_stage": 3}), ("shared", {}), ("packed", {"packing_samples": True}),
+        ("shared_zero3", {"zero_stage": 3, "shared_prompt_forward": True}))}
     assert [r["attention"] for r in runs["packed"]] == [{"policy": "sdpa_varlen",
                                                         "reference": "sdpa_varlen"}] * 2
     assert runs["per_row"][0]["attention"]["policy"] == "sdpa"

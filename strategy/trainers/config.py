@@ -361,12 +361,14 @@ class GRPOConfig:
         "full")
     kl_estimator: str = doc("GRPO: the KL penalty's estimator: k1 (logp - ref), k2 ((logp - "
                             "ref)^2 / 2) or k3 (exp(ref - logp) - (ref - logp) - 1)", "k3")
-    shared_prompt_forward: bool = doc(
+    shared_prompt_forward: bool | None = doc(
         "GRPO/PPO: the update's forwards (policy, reference, critic) run each distinct prompt of "
         "a micro-batch once and its completions on that prompt's KV cache, not prompt + "
         "completion per row: the same log-probs to float rounding, 1/group_size of the prompt's "
-        "work (--packing_samples forwards padding-free rows instead; a model under gradient "
-        "checkpointing or without transformers' dynamic cache forwards per row)", True)
+        "work, two forward calls per micro-batch (None: on below ZeRO-3, off at ZeRO-3, where "
+        "every forward call gathers the weights; --packing_samples forwards padding-free rows "
+        "instead; a model under gradient checkpointing or without transformers' plain dynamic "
+        "cache forwards per row)", None)
     gamma: float = doc("GRPO/PPO: discount of per-token returns (< 1: each token's advantage is "
                        "its discounted return, the outcome on the last token; OpenRLHF's gamma)",
                        1.0)

@@ -124,8 +124,9 @@ class GRPOTrainer(Trainer):
         packing: forward the update's micro-batches (policy, reference, critic) without their
             padding (``--packing_samples``: one packed row per micro-batch, per-sample attention
             on ``sdpa_varlen`` or flash attention; ``losses.padding_free``). Otherwise, with
-            ``grpo.shared_prompt_forward`` (default), each distinct prompt of a micro-batch is
-            forwarded once and its completions on its KV cache (``losses.shared_prompts``).
+            ``grpo.shared_prompt_forward`` (by default below ZeRO-3), each distinct prompt of a
+            micro-batch is forwarded once and its completions on its KV cache
+            (``losses.shared_prompts``).
 
     Raises:
         ConfigError: ``grpo`` or ``reward`` is missing, or ``kl_coef`` > 0 without ``ref_model``.
@@ -172,6 +173,8 @@ class GRPOTrainer(Trainer):
                          eval_dataloader, config, tokenizer)
         self.grpo, self.reward, self.answer_key = grpo, reward, answer_key
         self.packing = packing
+        shared = grpo.shared_prompt_forward  # None: where a forward call does not gather weights
+        self.share_prompts = strategy.config.zero_stage < 3 if shared is None else shared
         self.ref_model = strategy.prepare(ref_model) if ref_model is not None else None
         self.per_rank = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size)
         self._old_logps: dict[int, torch.Tensor] = {}  # micro-batch -> first update's log-probs
@@ -400,7 +403,7 @@ class GRPOTrainer(Trainer):
                  "rewards": rewards.clone(), "rollout_index": index}
         if self.packing:  # the forwards skip the padding; their outputs come back padded
             batch.update(padding_free(batch["input_ids"], batch["attention_mask"]))
-        elif self.grpo.shared_prompt_forward:  # each distinct prompt forwarded once
+        elif self.share_prompts:  # each distinct prompt forwarded once
             batch.update(shared_prompts(prompts, completions, pad))
         return batch
 
