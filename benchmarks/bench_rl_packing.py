@@ -23,10 +23,10 @@ they save.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
+from bench_grpo import spread  # median [min-max], as bench_grpo prints it
 
 MODEL = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -108,14 +108,11 @@ def measure(args, prompt: int, longest: int) -> dict:
 
 
 def show(name: str, result: dict) -> None:
-    def spread(values, fmt=".0f"):
-        return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
-
     share = 1 - result["useful"] / result["positions"]
     print(f"{name}: {result['useful']} tokens in {result['positions']} padded positions "
           f"({share:.0%} padding); useful tokens/s of the update:")
     for way, values in result["rates"].items():
-        print(f"  {way:<8} {spread(values)}")
+        print(f"  {way:<8} {spread(values, '.0f')}")
     for way, ratios in result["ratios"].items():
         print(f"  {way} / per_row per round: median {spread(ratios, '.2f')}")
 

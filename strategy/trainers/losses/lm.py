@@ -147,28 +147,30 @@ def _plain_cache(model) -> DynamicCache | None:
     return cache if all(type(layer) is DynamicLayer for layer in cache.layers) else None
 
 
-def _shares_prompts(module, batch: dict) -> bool:
-    """Whether this forward takes ``shared_prompts``' path: the batch has its keys and the
-    model's cache is ``_plain_cache``'s; not a training forward under gradient checkpointing (its
-    recomputation would fill the cache twice). The same answer on every rank for the same model
-    and batch layout, so ZeRO-3's per-forward gathers stay in step."""
+def _shared_cache(module, batch: dict) -> DynamicCache | None:
+    """The empty cache ``shared_prompts``' path fills, or None where this forward runs per row:
+    the batch lacks its keys, the model's cache is not ``_plain_cache``'s, or it is a training
+    forward under gradient checkpointing (its recomputation would fill the cache twice). The
+    same answer on every rank for the same model and batch layout, so ZeRO-3's per-forward
+    gathers stay in step."""
     if "prefix_index" not in batch:
-        return False
+        return None
     model = base_model(getattr(module, "module", module))
-    checkpointed = torch.is_grad_enabled() and getattr(model, "is_gradient_checkpointing", False)
-    return not checkpointed and _plain_cache(model) is not None
+    if torch.is_grad_enabled() and getattr(model, "is_gradient_checkpointing", False):
+        return None
+    return _plain_cache(model)
 
 
-def _prefix_scored(module, batch: dict, read: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``shared_prompts``' forward: ``read(output)`` at the position predicting each scored
-    target (the prompt's last position, then the completion's), in ``at_targets`` order, and the
-    scored mask (rows x width - 1)."""
+def _prefix_scored(module, batch: dict, read: Any,
+                   cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """``shared_prompts``' forward, filling ``cache``: ``read(output)`` at the position
+    predicting each scored target (the prompt's last position, then the completion's), in
+    ``at_targets`` order, and the scored mask (rows x width - 1)."""
     mask = targets_of(batch)[0] != IGNORE
     model = base_model(getattr(module, "module", module))
     keep = {"logits_to_keep": 1} if getattr(model, "_supports_logits_to_keep", bool)() else {}
     prefix_mask, index = batch["prefix_mask"], batch["prefix_index"]
     positions = (prefix_mask.long().cumsum(-1) - 1).masked_fill(prefix_mask == 0, 1)
-    cache = _plain_cache(model)
     first = read(module(input_ids=batch["prefix_ids"], attention_mask=prefix_mask,
                         position_ids=positions, cache=cache, use_cache=True, **keep))[:, -1:]
     cache.batch_select_indices(index)  # each row's prompt keys and values (autograd follows)
@@ -192,6 +194,15 @@ def _packed_scored(module, batch: dict, read: Any) -> tuple[torch.Tensor, torch.
     return read(out)[0][batch["pack_index"][:, :-1][mask]], mask
 
 
+def _compact_scored(module, batch: dict, read: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A packed (``padding_free``) or prompt-shared (``shared_prompts``) forward's scored outputs
+    and mask, or None where the batch is forwarded per row."""
+    if "pack_index" in batch:
+        return _packed_scored(module, batch, read)
+    cache = _shared_cache(module, batch)
+    return None if cache is None else _prefix_scored(module, batch, read, cache)
+
+
 def _laid_out(mask: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
     """``scored`` (one value per True of ``mask``) in ``mask``'s layout, zero elsewhere."""
     return torch.zeros(mask.shape, device=scored.device).masked_scatter(mask, scored.float())
@@ -203,9 +214,9 @@ def token_logps(engine, batch: dict,
     ``temperature`` scales the logits first (the distribution a sampler drew from). A batch with
     ``padding_free``'s keys is forwarded without its padding, one with ``shared_prompts``' keys
     runs each distinct prompt once; the result is laid out alike."""
-    if "pack_index" in batch or _shares_prompts(engine, batch):
-        scored = _packed_scored if "pack_index" in batch else _prefix_scored
-        logits, mask = scored(engine, batch, lambda out: out.logits)
+    scored = _compact_scored(engine, batch, lambda out: out.logits)
+    if scored is not None:
+        logits, mask = scored
         picked = targets_of(batch)[0][mask].unsqueeze(-1)
         logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, picked)
         return _laid_out(mask, logp[:, 0]), mask
@@ -221,9 +232,9 @@ def token_values(critic, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     a scored target, aligned with ``token_logps``, and the mask of scored ones (OpenRLHF's
     critic reads the same positions). Packed or prompt-shared like ``token_logps`` when the batch
     says so."""
-    if "pack_index" in batch or _shares_prompts(critic, batch):
-        scored = _packed_scored if "pack_index" in batch else _prefix_scored
-        values, mask = scored(critic, batch, lambda out: out.logits[..., 0])
+    scored = _compact_scored(critic, batch, lambda out: out.logits[..., 0])
+    if scored is not None:
+        values, mask = scored
         return _laid_out(mask, values), mask
     values, targets = at_targets(critic(**forward_inputs(batch)).logits[..., 0], batch)
     mask = targets != IGNORE
