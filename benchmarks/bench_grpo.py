@@ -1,4 +1,4 @@
-"""GRPO at 2 CPU ranks: our GRPOTrainer (examples/train_grpo.py) beside TRL's GRPOTrainer
+"""GRPO at 2 CPU ranks: our GRPOTrainer (strategy.cli.train_grpo) beside TRL's GRPOTrainer
 (trl==1.16.0, ``pip install '.[bench]'``): seconds per optimizer step, rollout and update apart,
 and held-out exact match after the same number of steps.
 
@@ -18,7 +18,7 @@ examples/run_grpo.sh, configs/grpo_sft.yaml; ``--sft_steps`` shortens it for smo
 sides train that model on the same prompts (OUT/data/train.jsonl, the ``input`` column, no chat
 template) for ``--steps`` optimizer steps, each launched with torchrun --nproc_per_node 2:
 
-- ours: examples/train_grpo.py with configs/grpo_toy.yaml (its in-training evaluation dropped:
+- ours: strategy.cli.train_grpo with configs/grpo_toy.yaml (its in-training evaluation dropped:
   held-out accuracy is measured after the run, alike for both) and the settings below;
 - TRL: this script's ``--job trl``, trl.GRPOTrainer on the DeepSpeed config our strategy builds
   for the same settings (``build_ds_config``: the same ZeRO stage, batch sizes, clipping, fp32);
@@ -231,7 +231,7 @@ def setup(args) -> float:
             os.path.join(args.out, "make.log"))
     if not os.path.exists(os.path.join(sft, "config.json")):
         extra = ["--max_steps", str(args.sft_steps)] if args.sft_steps else []
-        run(torchrun("examples/train_sft.py", "--config", "configs/grpo_sft.yaml",
+        run(torchrun("-m", "strategy.cli.train_sft", "--config", "configs/grpo_sft.yaml",
                      "--tokenizer", os.path.join(data, "tokenizer"),
                      "--dataset", os.path.join(data, "train.jsonl"),
                      "--eval_dataset", os.path.join(data, "test.jsonl"), "--save_path", sft,
@@ -276,7 +276,7 @@ def run_ours(args, tag: str, forward: str = "shared") -> dict:
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
     model, logs = os.path.join(root, "model"), os.path.join(root, "logs")
-    wall = run(torchrun("examples/train_grpo.py", "--config", ours_config(args),
+    wall = run(torchrun("-m", "strategy.cli.train_grpo", "--config", ours_config(args),
                         "--pretrain", os.path.join(args.out, "sft"),
                         "--dataset", os.path.join(args.out, "data", "train.jsonl"),
                         "--max_steps", str(args.steps), "--zero_stage", str(args.zero_stage),

@@ -12,9 +12,11 @@ x1.25 from 512, and records each rank's peak RSS for that step alone (the peak i
 it); the longest length whose peak stays in the budget on every rank. Target: sp=2 trains at
 least 1.8x the length of sp=1.
 
-throughput: one 2-rank job, 5 ways taking turns over the same rows (lengths 16-512), the same
+throughput: one 2-rank job, 6 ways taking turns over the same rows (lengths 16-512), the same
 optimizer kernel and schedule on every way, the first steps of each run skipped, useful
-(non-padding) tokens/s, median and spread over rounds. Ours pack with sdpa per sample
+(non-padding) tokens/s, median and spread over rounds. Ours pack two ways: the dataset into rows
+of <= 2048 first (``--pack_dataset``: "packed" below), or each micro-batch of 8 samples into one
+row (``--packing_samples``, OpenRLHF's meaning); both run sdpa per sample
 (``sdpa_varlen``, what ``--packing_samples`` loads on sdpa); transformers' ways run its sdpa (the
 flattened rows with the block-diagonal mask transformers builds from their position ids; the
 padded rows from the same right-padding collator as ours), and once more flattened on our
@@ -23,7 +25,7 @@ Targets: packed >= 1.5x padded, >= 1.5x transformers' DataCollatorWithFlattening
 transformers' Trainer with padded batches. On one GPU: ``--nproc 1`` (NCCL puts one rank on a
 GPU; the global batch stays the same, by accumulation), ``--attention flash_attention_2`` for our
 two ways where flash-attn is installed (packed rows then take its varlen path), ``--ours_only``
-for our packed and padded ways alone.
+for our three ways alone.
 """
 
 from __future__ import annotations
@@ -178,11 +180,13 @@ def throughput_job(rounds: int, steps: int, attention: str = "sdpa",
     ours = attention_for(attention, True)
     ways = {"ours, padded": ("ours", rows, sft_data.collate_sft(0), 4, attention),
             f"ours, packed ({ours})": ("ours", packed, packing.collate_packed(0), 1, ours),
+            f"ours, --packing_samples ({ours})": ("ours", rows, packing.collate_micro_batch(0), 8,
+                                                 ours),
             "transformers, padded": ("theirs", rows, sft_data.collate_sft(0), 4, "sdpa"),
             "transformers, DataCollatorWithFlattening": ("theirs", rows, flatten, 8, "sdpa"),
             "transformers, flattening + our sdpa_varlen": ("theirs", rows, flatten, 8, varlen)}
     if ours_only:
-        ways = dict(list(ways.items())[:2])
+        ways = dict(list(ways.items())[:3])
     figures = {name: [] for name in ways}
     skip = 2
     for round_number in range(rounds + 1):  # round 0 warms every way up
@@ -201,7 +205,7 @@ def throughput_job(rounds: int, steps: int, attention: str = "sdpa",
     for name, values in figures.items():
         strategy.print(f"{name:<42}: {spread(values)} useful tokens/s")
     packed_figures = figures[f"ours, packed ({ours})"]
-    for other, target in (("ours, padded", 1.5),
+    for other, target in (("ours, padded", 1.5), (f"ours, --packing_samples ({ours})", None),
                           ("transformers, DataCollatorWithFlattening", 1.5),
                           ("transformers, padded", 1.3),
                           ("transformers, flattening + our sdpa_varlen", None)):
@@ -209,6 +213,7 @@ def throughput_job(rounds: int, steps: int, attention: str = "sdpa",
             continue
         ratios = [a / b for a, b in zip(packed_figures, figures[other])]  # per round, paired
         aim = f"; target >= {target}x" if target else "; the same attention kernel"
+        aim = "; dataset packing vs per micro-batch" if "packing_samples" in other else aim
         strategy.print(f"packed / {other:<42}: {statistics.median(ratios):.2f}x "
                        f"(per round {min(ratios):.2f}-{max(ratios):.2f}{aim})")
 

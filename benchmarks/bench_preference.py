@@ -41,7 +41,7 @@ METHODS = {  # name: (example, config, extra flags)
 def _torchrun(example: str, *flags: str) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", os.environ.get("MASTER_PORT", "29567"),
-               f"{ROOT}/examples/{example}.py", *flags]
+               "-m", f"strategy.cli.{example}", *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:

@@ -4,8 +4,8 @@
 # that gets part of the held-out set right, GRPO from it with a rule-based reward, and held-out
 # exact match before and after, each from a fresh-process reload of the export.
 # Env: OUT (default outputs/grpo), SKIP_SETUP=1 (already installed), MASTER_PORT, GRPO_CONFIG
-# (default configs/grpo_toy.yaml; configs/reinforce_pp_toy.yaml runs REINFORCE++), TRAINER (grpo,
-# or ppo with GRPO_CONFIG=configs/ppo_toy.yaml: examples/train_ppo.py, a critic beside the policy).
+# (a shipped config's name or a path; default grpo_toy; reinforce_pp_toy runs REINFORCE++), TRAINER
+# (grpo, or ppo with GRPO_CONFIG=ppo_toy: strategy ppo, a critic beside the policy).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${SKIP_SETUP:-0}" = 1 ] || bash .ci/setup default
@@ -16,14 +16,14 @@ rm -rf "$OUT"
 python -m strategy.demos.toy_task make "$OUT/data" --hard
 paths=(--dataset "$OUT/data/train.jsonl" --eval_dataset "$OUT/data/test.jsonl")
 start=$SECONDS
-torchrun --nproc_per_node 2 --master_port "$PORT" examples/train_sft.py \
-    --config configs/grpo_sft.yaml --tokenizer "$OUT/data/tokenizer" "${paths[@]}" \
+strategy sft --nproc 2 --master_port "$PORT" \
+    --config grpo_sft --tokenizer "$OUT/data/tokenizer" "${paths[@]}" \
     --save_path "$OUT/sft" --ckpt_path "$OUT/sft_ckpt" --log_dir "$OUT/sft_logs"
 sft_s=$((SECONDS - start))
 python -m strategy.demos.toy_task evaluate "$OUT/sft" "$OUT/data/test.jsonl" | tee "$OUT/before.txt"
 start=$SECONDS
-torchrun --nproc_per_node 2 --master_port "$PORT" "examples/train_${TRAINER:-grpo}.py" \
-    --config "${GRPO_CONFIG:-configs/grpo_toy.yaml}" --pretrain "$OUT/sft" "${paths[@]}" \
+strategy "${TRAINER:-grpo}" --nproc 2 --master_port "$PORT" \
+    --config "${GRPO_CONFIG:-grpo_toy}" --pretrain "$OUT/sft" "${paths[@]}" \
     --save_path "$OUT/model" --ckpt_path "$OUT/ckpt" --log_dir "$OUT/logs"
 grpo_s=$((SECONDS - start))
 python -m strategy.demos.toy_task evaluate "$OUT/model" "$OUT/data/test.jsonl" | tee "$OUT/after.txt"

@@ -10,7 +10,7 @@ import socket
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import deepspeed
 import torch
@@ -22,7 +22,7 @@ from strategy import dist
 from strategy.checkpoint import (
     CheckpointConfig,
     CheckpointStorage,
-    ResumeState,
+    LoadedCheckpoint,
     Retention,
     RunLayout,
     load_checkpoint,
@@ -30,7 +30,7 @@ from strategy.checkpoint import (
 )
 from strategy.config import StrategyConfig, build_ds_config, build_eval_ds_config
 from strategy.dtypes import training_dtype
-from strategy.ema import EMA
+from strategy.ema import EMA, moving_average
 from strategy.errors import CheckpointFileError, fail
 from strategy.export import save_model, save_model_metadata
 from strategy.internals import release_tensor_parallel_groups, restart_adam_powers
@@ -70,7 +70,10 @@ class DeepSpeedStrategy:
         grad_norms: the norms DeepSpeed does not measure (``parallel.GradNorms``).
         storage: each checkpoint directory's storage kind (``checkpoint.CheckpointStorage``).
         sequence: the Ulysses groups, or None without sequence parallelism.
-        resume_state: where the run resumed (set by ``load_ckpt``), or None.
+
+    OpenRLHF's call forms work beside these (``prepare((model, optim, scheduler))`` unpacking
+    into three, ``backward(loss, model, optim)``, ``optimizer_step(optim, model, scheduler)``,
+    ``save_ckpt(model, dir, tag, max_num, max_mem, client_state)``, ``is_rank_0()``, ...).
     """
 
     def __init__(self, config: StrategyConfig | None = None, optim: OptimConfig | None = None,
@@ -83,7 +86,6 @@ class DeepSpeedStrategy:
         self.grad_norms = GradNorms(self.config.tensor_parallel_size > 1)  # ZeRO-0's, measured
         self.storage = CheckpointStorage(self.checkpoint)  # each checkpoint directory's kind
         self.sequence: SequenceParallel | None = None  # Ulysses groups (sequence_parallel_size > 1)
-        self.resume_state: ResumeState | None = None  # set by load_ckpt
 
     def __enter__(self) -> DeepSpeedStrategy:
         return self
@@ -177,9 +179,19 @@ class DeepSpeedStrategy:
         return dist.get_world_size()
 
     @property
-    def is_rank_0(self) -> bool:
-        """Whether this is global rank 0 (the one that writes shared files)."""
-        return dist.is_rank_0()
+    def is_rank_0(self) -> RankFlag:
+        """Whether this is global rank 0 (the one that writes shared files): a flag that is
+        also callable, so ``if strategy.is_rank_0:`` and OpenRLHF's ``strategy.is_rank_0()``
+        both tell."""
+        return RankFlag(dist.is_rank_0())
+
+    def get_rank(self) -> int:
+        """This process's global rank (OpenRLHF's form of ``rank``).
+
+        Returns:
+            The rank.
+        """
+        return dist.get_rank()
 
     @property
     def data_parallel_size(self) -> int:
@@ -401,19 +413,29 @@ class DeepSpeedStrategy:
                                 num_warmup_steps=num_warmup_steps, warmup_ratio=warmup_ratio,
                                 min_lr_ratio=min_lr_ratio)
 
-    def prepare(self, *items: Any) -> Any:
+    def prepare(self, *items: Any, is_rlhf: bool = False) -> Any:
         """Turn models into DeepSpeed engines.
 
+        A training engine also unpacks as ``(engine, engine.optimizer, engine.lr_scheduler)``, so
+        both ``engine = prepare((m, o, s))`` and OpenRLHF's ``m, o, s = prepare((m, o, s))`` work.
+
         Args:
-            *items: ``(model, optimizer, scheduler)`` tuples become training engines, bare models
-                eval engines.
+            *items: ``(model, optimizer, scheduler)`` tuples become training engines (a tuple
+                whose model is None: ``(None, None, None)``), bare models eval engines.
+            is_rlhf: OpenRLHF's flag, accepted for its callers; it changes nothing here.
 
         Returns:
             The engines in the same order; a single item's engine bare.
         """
-        out = [self._prepare_train(*item) if isinstance(item, tuple) else self._prepare_eval(item)
-               for item in items]
+        out = [self._prepare_item(item) for item in items]
         return out[0] if len(out) == 1 else out
+
+    def _prepare_item(self, item: Any) -> Any:
+        if not isinstance(item, tuple):
+            return self._prepare_eval(item)
+        if item[0] is None:
+            return None, None, None
+        return _unpackable(self._prepare_train(*item))
 
     def _prepare_train(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                        scheduler: Any = None):
@@ -462,25 +484,45 @@ class DeepSpeedStrategy:
         return EngineRollout(engine, self.config.zero_stage == 3 and self.world_size > 1)
 
     # ------------------------------------------------------------ stepping
-    def backward(self, loss: torch.Tensor, engine) -> None:
-        """Backward through ``engine``. Under sequence parallelism ZeRO 1/2 sum a gradient over
-        the sequence ranks, ZeRO-3 averages over them too: its loss is scaled up by their number
-        to match.
+    def backward(self, loss: torch.Tensor, model, optimizer: Any = None) -> None:
+        """Backward through the engine ``model``. Under sequence parallelism ZeRO 1/2 sum a
+        gradient over the sequence ranks, ZeRO-3 averages over them too: its loss is scaled up by
+        their number to match.
 
         Args:
             loss: this micro-batch's loss.
-            engine: the training engine.
-        """
-        zero3_average = self.config.zero_stage == 3 and self.sequence is not None
-        engine.backward(loss * self.sequence_parallel_size if zero3_average else loss)
+            model: the training engine.
+            optimizer: OpenRLHF's third argument: the engine's optimizer (DeepSpeed owns it; only
+                checked to be this engine's).
 
-    def optimizer_step(self, engine) -> None:
-        """Step ``engine``: DeepSpeed clips, updates, schedules and zeroes the gradients only at
+        Raises:
+            ConfigError: ``model`` is no training engine, or ``optimizer`` is not its optimizer.
+        """
+        _check_training_engine(model, optimizer)
+        zero3_average = self.config.zero_stage == 3 and self.sequence is not None
+        model.backward(loss * self.sequence_parallel_size if zero3_average else loss)
+
+    def optimizer_step(self, optimizer: Any, model: Any = None, scheduler: Any = None,
+                       name: str = "model") -> None:
+        """Step the engine: DeepSpeed clips, updates, schedules and zeroes the gradients only at
         accumulation boundaries; the gradient norm is measured first where DeepSpeed does not.
 
+        Two forms, told apart by type: ``optimizer_step(engine)``, and OpenRLHF's
+        ``optimizer_step(optimizer, engine, scheduler, name="model")``.
+
         Args:
-            engine: the training engine.
+            optimizer: the training engine itself, or (OpenRLHF's form, with ``model``) the
+                optimizer ``prepare`` returned with it.
+            model: OpenRLHF's form: the training engine.
+            scheduler: OpenRLHF's form: the scheduler given to ``prepare`` (the engine steps it).
+            name: OpenRLHF's label of the model; unused.
+
+        Raises:
+            ConfigError: no training engine was given, or the optimizer or scheduler is not the
+                engine's own.
         """
+        engine = optimizer if model is None else model
+        _check_training_engine(engine, None if model is None else optimizer, scheduler)
         if engine.is_gradient_accumulation_boundary():
             self.grad_norms.before_step(engine)  # measured before DeepSpeed drops the gradients
             restart_adam_powers(engine.optimizer)  # exact resume on DeepSpeed's CPU Adam
@@ -498,15 +540,16 @@ class DeepSpeedStrategy:
         return self.grad_norms.get(engine)
 
     def setup_dataloader(self, dataset: Dataset, batch_size: int | None = None,
-                         shuffle: bool = True, collate_fn: Callable | None = None,
-                         drop_last: bool = True, num_workers: int = 0,
-                         seed: int | None = None) -> DataLoader:
+                         pin_memory: bool = False, shuffle: bool = True,
+                         collate_fn: Callable | None = None, drop_last: bool = True,
+                         num_workers: int = 0, seed: int | None = None) -> DataLoader:
         """A training loader over this rank's data-parallel shard; its sampler's position is
-        resumable mid-epoch (``load_ckpt(dataloader=...)``).
+        resumable mid-epoch (``load_ckpt(dataloader=...)``). The positional order is OpenRLHF's.
 
         Args:
             dataset: a map-style dataset.
             batch_size: default ``micro_train_batch_size``.
+            pin_memory: batches in page-locked memory (faster copies to a GPU).
             shuffle: shuffle each epoch (seeded).
             collate_fn: builds a batch from samples.
             drop_last: drop the last incomplete batch.
@@ -525,7 +568,7 @@ class DeepSpeedStrategy:
         generator = torch.Generator().manual_seed(seed)
         return DataLoader(dataset, batch_size=batch_size or self.config.micro_train_batch_size,
                           sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
-                          num_workers=num_workers, generator=generator)
+                          num_workers=num_workers, generator=generator, pin_memory=pin_memory)
 
     def setup_eval_dataloader(self, dataset: Dataset, batch_size: int | None = None,
                               collate_fn: Callable | None = None,
@@ -548,14 +591,14 @@ class DeepSpeedStrategy:
                           sampler=sampler, collate_fn=collate_fn, num_workers=num_workers)
 
     # ------------------------------------------------------------ Hugging Face export
-    def save_model(self, engine, tokenizer: Any, output_dir: str | Path,
+    def save_model(self, model, tokenizer: Any, output_dir: str | Path,
                    max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None,
                    merge_lora: bool = False, ema: EMA | None = None) -> Path:
         """Every rank: stream a Hugging Face directory to ``output_dir``, atomically, written by
         rank 0 only.
 
         Args:
-            engine: an engine or a module.
+            model: an engine or a module.
             tokenizer: saved beside the weights (None: none).
             output_dir: the directory to create or replace.
             max_shard_size: bytes per safetensors shard, or a size such as ``"5GB"``.
@@ -570,32 +613,41 @@ class DeepSpeedStrategy:
             SaveError: a rank failed to write (every rank raises it).
         """
         with ema.swapped_in() if ema is not None else nullcontext():
-            out = save_model(engine, tokenizer, output_dir, max_shard_size=max_shard_size,
+            out = save_model(model, tokenizer, output_dir, max_shard_size=max_shard_size,
                              dtype=dtype, merge_lora=merge_lora)
         export_log.info("save_model wrote %s from global rank 0 on %s", os.path.abspath(out),
                         socket.gethostname())
         return out
 
     # ------------------------------------------------------------ resume checkpoints
-    def save_ckpt(self, engine, save_dir: str | None = None, tag: str | None = None,
-                  client_state: dict | None = None, *, retention: Retention | None = None,
-                  metric: float | None = None, tokenizer: Any = None,
-                  ema: EMA | None = None) -> str:
+    def save_ckpt(self, model, save_dir: str | None = None, tag: str | None = None,
+                  max_num: int | Mapping | None = None, max_mem: float | None = None,
+                  client_state: dict | None = None, save_latest: bool = True, *,
+                  retention: Retention | None = None, metric: float | None = None,
+                  tokenizer: Any = None, ema: EMA | None = None) -> str:
         """Every rank: save a resume checkpoint at an accumulation boundary.
 
         It holds step, consumed samples, every RNG, the scheduler and ``client_state``; the
         model's ``config.json`` (and ``tokenizer``'s files) go beside the weights, so
         ``python -m strategy.export`` needs nothing else. Once it is published, ``retention``
-        deletes the checkpoints it does not keep.
+        deletes the checkpoints it does not keep. The positional order is OpenRLHF's
+        (``model, save_dir, tag, max_num, max_mem, client_state, save_latest``); a dict in
+        ``max_num``'s place is the ``client_state`` (``save_ckpt(engine, dir, tag, state)``).
 
         Args:
-            engine: the training engine (from ``prepare``).
+            model: the training engine (from ``prepare``).
             save_dir: the checkpoint directory (default ``checkpoint.ckpt_path``), of the same
                 storage kind as ``ckpt_path``.
             tag: the checkpoint's name (default ``global_step<N>``).
+            max_num: keep at most this many checkpoints (default ``max_ckpt_num``).
+            max_mem: keep at most this many GB, as OpenRLHF counts them (default
+                ``max_ckpt_mem``).
             client_state: a JSON-safe dict ``load_ckpt`` returns.
+            save_latest: point ``latest`` at this checkpoint, so a resume without a tag loads
+                it (DeepSpeed's meaning); False leaves ``latest`` naming the one it named.
             retention: which checkpoints to keep (default ``Retention.from_config`` of the
-                ``CheckpointConfig``); HF exports at ``<tag>_hf`` count toward ``max_mem``.
+                ``CheckpointConfig`` with ``max_num``/``max_mem``); HF exports at ``<tag>_hf``
+                count toward ``max_mem``.
             metric: this checkpoint's value of the metric ``keep_best`` ranks by.
             tokenizer: saved beside the weights when given.
             ema: its moving-average weights are saved too.
@@ -604,27 +656,36 @@ class DeepSpeedStrategy:
             The checkpoint's directory.
 
         Raises:
-            ConfigError: not at an accumulation boundary, a bad tag, or ``save_dir`` of another
-                storage kind.
+            ConfigError: not at an accumulation boundary, a bad tag or limit, ``client_state``
+                given twice, ``retention`` with ``max_num``/``max_mem``, or ``save_dir`` of
+                another storage kind.
             SaveError: a rank failed to write (every rank raises it; earlier checkpoints stay).
         """
+        if isinstance(max_num, Mapping):  # today's positional client_state
+            if client_state is not None:
+                fail("client_state", client_state, "give it once (a dict 4th is client_state)")
+            max_num, client_state = None, dict(max_num)
+        if retention is not None and (max_num, max_mem) != (None, None):
+            fail("retention", retention, "give retention or max_num/max_mem, not both")
         return save_checkpoint(
-            engine, save_dir or self.checkpoint.ckpt_path, tag, client_state,
-            retention=retention or Retention.from_config(self.checkpoint), metric=metric,
-            write_metadata=lambda directory: save_model_metadata(engine, directory, tokenizer),
+            model, save_dir or self.checkpoint.ckpt_path, tag, client_state,
+            retention=retention or Retention.from_config(self.checkpoint, max_num, max_mem),
+            metric=metric, save_latest=save_latest,
+            write_metadata=lambda directory: save_model_metadata(model, directory, tokenizer),
             layout=self.layout, node_local=self.storage.is_node_local(save_dir),
             rank_files=None if ema is None else ema.save)
 
-    def load_ckpt(self, engine, load_dir: str | None = None, tag: str | None = None,
-                  load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                  dataloader: DataLoader | None = None, universal: bool | None = None,
-                  ema: EMA | None = None) -> tuple[str | None, dict]:
-        """Every rank: resume from a checkpoint.
+    def load_ckpt(self, model, load_dir: str | None = None, tag: str | None = None,
+                  load_module_strict: bool = True, load_optimizer_states: bool = True,
+                  load_lr_scheduler_states: bool = True, *, dataloader: DataLoader | None = None,
+                  universal: bool | None = None, ema: EMA | None = None) -> LoadedCheckpoint:
+        """Every rank: resume from a checkpoint. The positional order is OpenRLHF's.
 
         Args:
-            engine: the training engine (from ``prepare``).
+            model: the training engine (from ``prepare``).
             load_dir: default ``checkpoint.ckpt_path``.
-            tag: default the newest complete checkpoint.
+            tag: default the one ``latest`` names, else the newest complete checkpoint.
+            load_module_strict: the saved weights must name exactly the model's.
             load_optimizer_states: restore the optimizer.
             load_lr_scheduler_states: restore the scheduler.
             dataloader: a loader from ``setup_dataloader``, moved to the saved position.
@@ -633,8 +694,9 @@ class DeepSpeedStrategy:
             ema: gets its saved weights back.
 
         Returns:
-            ``(path, client_state)``; ``(None, {})`` when there is nothing to resume.
-            ``self.resume_state`` holds step, consumed samples, epoch and position in it.
+            A ``LoadedCheckpoint``: unpacks as ``(path, client_state)``, ``(None, {})`` when there
+            is nothing to resume; its ``resume`` holds step, consumed samples, epoch and position
+            in it (None when nothing was loaded).
 
         Raises:
             ConfigError: the checkpoint was saved at other sequence/tensor-parallel sizes, or the
@@ -642,14 +704,15 @@ class DeepSpeedStrategy:
             CheckpointFileError: a file is damaged, holds objects beyond tensors, or the EMA part is
                 missing (every rank raises it).
         """
-        path, state, self.resume_state = load_checkpoint(
-            engine, load_dir or self.checkpoint.ckpt_path, tag, load_optimizer_states,
+        loaded = load_checkpoint(
+            model, load_dir or self.checkpoint.ckpt_path, tag, load_optimizer_states,
             load_lr_scheduler_states, dataloader, universal, layout=self.layout,
-            node_local=self.storage.is_node_local(load_dir))
-        if ema is not None and path is not None:
-            dist.checked(ema.load, path, self.rank, make=lambda rank, message: CheckpointFileError(
-                f"loading EMA weights failed on rank {rank}: {message}"))
-        return path, state
+            node_local=self.storage.is_node_local(load_dir), load_module_strict=load_module_strict)
+        if ema is not None and loaded.path is not None:
+            dist.checked(ema.load, loaded.path, self.rank,
+                         make=lambda rank, message: CheckpointFileError(
+                             f"loading EMA weights failed on rank {rank}: {message}"))
+        return loaded
 
     def create_ema(self, engine, beta: float) -> EMA:
         """A moving average of ``engine``'s trainable weights, partitioned as they are; call
@@ -666,6 +729,25 @@ class DeepSpeedStrategy:
             ConfigError: ``beta`` outside (0, 1).
         """
         return EMA(engine.module, beta)
+
+    def moving_average(self, model, model_ema, beta: float = 0.992,
+                       device: str | torch.device = "cpu") -> None:
+        """OpenRLHF's EMA: ``model_ema``'s weights (an eval engine's, from ``prepare``) move
+        toward ``model``'s, ``ema = beta * ema + (1 - beta) * weights``. Call it after every
+        ``optimizer_step``: it averages only right after a step that updated the weights (at an
+        accumulation boundary). Collective under ZeRO-3 (each pair of weights is gathered);
+        ``create_ema`` keeps a partitioned average without gathering.
+
+        Args:
+            model: the training engine.
+            model_ema: the engine or module holding the average, built like ``model``.
+            beta: the decay, in (0, 1).
+            device: where the arithmetic runs.
+
+        Raises:
+            ConfigError: ``beta`` outside (0, 1), or ``model_ema`` built otherwise.
+        """
+        moving_average(model, model_ema, beta, device)
 
     @property
     def layout(self) -> RunLayout:
@@ -697,3 +779,53 @@ def _scaled(data: Any, factor: float) -> Any:
         return {key: _scaled(value, factor) for key, value in data.items()}
     return data * factor
 
+
+
+class RankFlag(int):
+    """``is_rank_0`` read both ways: as a flag (``if strategy.is_rank_0:``) and called, as
+    OpenRLHF does (``strategy.is_rank_0()``); either way it is this rank's answer."""
+
+    def __call__(self) -> bool:
+        return bool(self)
+
+    def __repr__(self) -> str:
+        return repr(bool(self))
+
+
+_UNPACKABLE: dict[type, type] = {}  # engine class -> its subclass with __iter__
+
+
+def _engine_parts(engine: Any) -> Any:
+    return iter((engine, engine.optimizer, engine.lr_scheduler))
+
+
+def _unpackable(engine: Any) -> Any:
+    """The engine itself (same object and attributes, still a ``DeepSpeedEngine``), whose class is
+    swapped for a subclass adding only ``__iter__``, so OpenRLHF's ``m, o, s = prepare(...)``
+    unpacks it. Neither ``nn.Module`` nor ``DeepSpeedEngine`` iterates, and without ``__len__``
+    its truth value is unchanged."""
+    cls = type(engine)
+    if cls not in _UNPACKABLE.values():
+        if cls not in _UNPACKABLE:
+            _UNPACKABLE[cls] = type(cls.__name__, (cls,), {
+                "__iter__": _engine_parts, "__slots__": (), "__doc__": cls.__doc__})
+        engine.__class__ = _UNPACKABLE[cls]
+    return engine
+
+
+def _check_training_engine(engine: Any, optimizer: Any = None, scheduler: Any = None) -> None:
+    """``engine`` is a training engine, and ``optimizer``/``scheduler`` (OpenRLHF's arguments,
+    which DeepSpeed steps through the engine) are its own."""
+    if not hasattr(engine, "is_gradient_accumulation_boundary"):
+        fail("model", type(engine).__name__, "pass the training engine from "
+             "strategy.prepare((model, optimizer, scheduler))")
+    wrapped, owned = engine.optimizer, []
+    while wrapped is not None and len(owned) < 4:  # a ZeRO/bf16 wrapper's .optimizer: the client's
+        owned.append(wrapped)
+        wrapped = getattr(wrapped, "optimizer", None)
+    if optimizer is not None and not any(optimizer is o for o in owned):
+        fail("optimizer", type(optimizer).__name__, "pass the optimizer prepare returned with "
+             "this engine (or the one given to prepare): DeepSpeed steps that one")
+    if scheduler is not None and scheduler is not engine.lr_scheduler:
+        fail("scheduler", type(scheduler).__name__, "pass the scheduler given to prepare with "
+             "this engine: DeepSpeed steps that one, at accumulation boundaries")

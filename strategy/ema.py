@@ -6,6 +6,9 @@ average is partitioned like the parameters and never gathered whole; otherwise t
 tensor-parallel slice under AutoTP). Held in fp32 whatever the training precision. Checkpoints
 hold each rank's part (``ema_<rank>.safetensors``); ``swapped_in`` puts the average into the
 weights for an export and back afterwards.
+
+``moving_average`` is OpenRLHF's form: the average kept in a second model (an eval engine), each
+pair of parameters gathered whole under ZeRO-3 for the update.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ import os
 from contextlib import contextmanager
 from typing import Iterator
 
+import deepspeed
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from strategy.errors import CheckpointFileError, fail
-from strategy.internals import local_partition
+from strategy.internals import engine_counters, local_partition
 
 
 class EMA:
@@ -105,3 +109,56 @@ class EMA:
                                           f"otherwise than {tuple(tensor.shape)}; resume at the "
                                           "same world size and model")
             tensor.copy_(saved[name])
+
+
+def just_stepped(engine: nn.Module) -> bool:
+    """Whether ``engine`` (a training engine) has just finished an optimizer step: its micro-steps
+    are a whole number of accumulations. A module that is no engine counts as stepped.
+
+    Args:
+        engine: the training engine.
+
+    Returns:
+        True right after an accumulation boundary's step.
+    """
+    if not hasattr(engine, "gradient_accumulation_steps"):
+        return True
+    micro = engine_counters(engine)[2]
+    return micro > 0 and micro % engine.gradient_accumulation_steps() == 0
+
+
+@torch.no_grad()
+def moving_average(model: nn.Module, model_ema: nn.Module, beta: float,
+                   device: str | torch.device = "cpu") -> None:
+    """Collective under ZeRO-3: ``ema = beta * ema + (1 - beta) * weights`` for each trainable
+    parameter of ``model`` and the parameter at the same place in ``model_ema``, when ``model``
+    has just stepped (``just_stepped``; OpenRLHF counts calls to the same end). Partitioned
+    parameters are gathered pair by pair and the new average is kept (rank 0's, which every rank
+    computed alike, is partitioned again).
+
+    Args:
+        model: the trained model or engine.
+        model_ema: the model (or eval engine) holding the average, built like ``model``.
+        beta: the decay, in (0, 1).
+        device: where the arithmetic runs (fp32); the result goes back where ``model_ema`` keeps it.
+
+    Raises:
+        ConfigError: ``beta`` is outside (0, 1), or the two models' parameters differ in number.
+    """
+    if not 0 < beta < 1:
+        fail("beta", beta, "use a decay in (0, 1), e.g. 0.992")
+    if not just_stepped(model):
+        return
+    params, averages = list(model.parameters()), list(model_ema.parameters())
+    if len(params) != len(averages):
+        fail("model_ema", f"{len(averages)} parameters", f"build it like the model ({len(params)} "
+             "parameters), e.g. from the same config or checkpoint")
+    for param, average in zip(params, averages):
+        if not param.requires_grad:
+            continue
+        # the trained weight is only read; the average's new value is kept on leaving
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None), \
+                deepspeed.zero.GatheredParameters([average], modifier_rank=0):
+            blended = average.data.to(device, torch.float32)
+            blended.lerp_(param.data.to(device, torch.float32), 1.0 - beta)
+            average.data.copy_(blended)

@@ -5,6 +5,7 @@ tied ones once."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 from contextlib import contextmanager
@@ -12,12 +13,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations import deepspeed as hf_deepspeed
 from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from strategy.checkpoint.safe_load import check_safetensors_dir
+from strategy.errors import ConfigError
 from strategy.quant import keep_storage_layout
 
 IGNORE_INDEX = -100  # transformers' label for tokens that are not scored (prompt, padding)
@@ -155,3 +157,31 @@ def unique_state_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
             seen.add(id(tensor))
             out.append((name, tensor))
     return out
+
+
+def hf_config(path: str, tokenizer: Any = None, **kwargs: Any):
+    """An HF config from a JSON file (``model_type`` picks the class), special ids from the
+    tokenizer.
+
+    Args:
+        path: the JSON file.
+        tokenizer: gives the vocabulary size and the pad, eos and bos ids (None: as written).
+        **kwargs: further config values.
+
+    Returns:
+        The config.
+
+    Raises:
+        ConfigError: an unknown ``model_type``.
+    """
+    with open(path) as fh:
+        values = json.load(fh)
+    kind = values.pop("model_type", None)
+    if kind not in CONFIG_MAPPING:
+        raise ConfigError(f"model_config={path!r} is invalid: model_type {kind!r} unknown; use "
+                          "e.g. llama, gpt2, qwen2")
+    if tokenizer is not None:
+        values.update(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    values.update(kwargs)
+    return CONFIG_MAPPING[kind](**values)

@@ -4,6 +4,7 @@ reached)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -167,8 +168,12 @@ def _argv(values: dict) -> list[str]:
 
 @pytest.mark.parametrize("change,message", CASES, ids=[str(i) for i in range(len(CASES))])
 def test_bad_setting_fails_before_process_group(toy, monkeypatch, change, message):
+    from strategy.trainers import DPOConfig, DPOTrainer
     from strategy.trainers.run import Run
     from tests.support.helpers import forbid_process_group
+
+    dpo = {f.name for f in dataclasses.fields(DPOConfig)}
+    trainer = DPOTrainer if set(change) & dpo else None  # DPO's flags are DPO's command's
 
     forbid_process_group(monkeypatch)
     with pytest.raises(ConfigError) as err:
@@ -177,7 +182,7 @@ def test_bad_setting_fails_before_process_group(toy, monkeypatch, change, messag
             if isinstance(v, str) else v
             for k, v in change.items()
         }
-        Run.from_args(_argv({**_base(toy), **change}))
+        Run.from_args(_argv({**_base(toy), **change}), trainer=trainer)
     text = str(err.value)
     assert message in text and "\n" not in text, text
 
@@ -227,7 +232,8 @@ def test_a_bad_flag_is_one_line_without_a_traceback(tmp_path):
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     (tmp_path / "train.jsonl").write_text('{"input": "ab=", "output": "ba"}\n')
     proc = run_job(
-        [sys.executable, "examples/train_sft.py", "--model_config", "configs/tiny_llama.json",
+        [sys.executable, "-m", "strategy.cli.train_sft", "--model_config",
+         "configs/tiny_llama.json",
          "--tokenizer", "strategy/demos", "--dataset", str(tmp_path / "train.jsonl"), *flags],
         120, env=env)
     assert proc.returncode != 0
@@ -236,20 +242,20 @@ def test_a_bad_flag_is_one_line_without_a_traceback(tmp_path):
     assert len(errors) == 1, proc.stderr
 
 
-def test_an_unknown_flag_is_argparse_s_one_line(tmp_path, capsys, monkeypatch):
+def test_an_unknown_flag_is_one_line(tmp_path, monkeypatch):
     """An unknown flag (never taken for a prefix: --loss is not --loss_weighting) stops the
-    example's argument parsing with argparse's usage and one error line."""
+    command's argument parsing with one line: the trainers that take it, or a close match."""
     from tests.support.helpers import forbid_process_group, load_example
 
     (tmp_path / "train.jsonl").write_text('{"input": "ab=", "output": "ba"}\n')
     forbid_process_group(monkeypatch)
-    with pytest.raises(SystemExit) as stopped:
-        load_example("train_sft")(["--model_config", "configs/tiny_llama.json", "--tokenizer",
-                                   "strategy/demos", "--dataset", str(tmp_path / "train.jsonl"),
-                                   "--loss", "sigmoid"])
-    assert stopped.value.code == 2
-    errors = capsys.readouterr().err.splitlines()
-    assert errors[-1].endswith("error: unrecognized arguments: --loss sigmoid"), errors
+    argv = ["--model_config", "configs/tiny_llama.json", "--tokenizer", "strategy/demos",
+            "--dataset", str(tmp_path / "train.jsonl")]
+    with pytest.raises(ConfigError, match="^--loss is not a flag of sft; rm takes it$"):
+        load_example("train_sft")(argv + ["--loss", "sigmoid"])
+    with pytest.raises(ConfigError, match="^--loss_weightin is not a flag here; did you mean "
+                                          "--loss_weighting"):
+        load_example("train_sft")(argv + ["--loss_weightin", "step"])
 
 
 def test_reward_model_under_sequence_parallelism_is_refused_before_process_group(toy,
@@ -290,11 +296,10 @@ def test_openrlhf_rm_loss_flag(toy, monkeypatch):
 
 
 @pytest.mark.parametrize("script, change, message", [
-    ("train_orpo", {"ref_pretrain": "TOY/tok"}, "ref_pretrain='TOY/tok' is invalid: ORPOTrainer "
-     "is reference-free"),
-    ("train_simpo", {"beta": 0.5}, "beta=0.5 is invalid: it is a DPO setting; SimPOTrainer takes "
-     "--simpo_beta"),
-    ("train_simpo", {"ipo": True}, "loss_type='ipo' is invalid: it is a DPO setting"),
+    ("train_orpo", {"ref_pretrain": "TOY/tok"}, "--ref_pretrain is not a flag of orpo; dpo, grpo, "
+     "kto and ppo take it"),
+    ("train_simpo", {"beta": 0.5}, "--beta is not a flag of simpo; dpo takes it"),
+    ("train_simpo", {"ipo": True}, "--ipo is not a flag of simpo; dpo takes it"),
     ("train_kto", {"packing_samples": True}, "packing_samples=True is invalid: KTO's mismatched"),
     ("train_kto", {"sequence_parallel_size": 2}, "sequence_parallel_size=2 is invalid: KTO runs "
      "without"),
@@ -303,7 +308,7 @@ def test_openrlhf_rm_loss_flag(toy, monkeypatch):
     ("train_dpo", {"lora_rank": 4, "target_modules": "q_proj"}, "a reference copied from fresh "
      "weights needs ZeRO 0-2 without LoRA"),
     ("train_kto", {"kto_beta": 0}, "kto_beta=0.0 is invalid: use a positive number"),
-    ("train_orpo", {"aux_loss_coef": 0.1}, "aux_loss_coef=0.1 is invalid"),
+    ("train_orpo", {"aux_loss_coef": 0.1}, "--aux_loss_coef is not a flag of orpo; sft takes it"),
     ("train_kto", {}, "label_key='label' is invalid: TOY/d.jsonl row 0 has no 'label' (nor "
      "'chosen'), only ['input', 'output']"),
 ])
@@ -331,13 +336,14 @@ def test_preference_trainers_refuse_settings_before_process_group(toy, monkeypat
     ({"clip_eps": 0}, "clip_eps=0.0 is invalid: use a value in (0, 1), e.g. 0.2"),
 ], ids=["temperature=0", "top_p=0", "top_p=1.5", "top_k=-1", "clip_eps=1", "clip_eps=0"])
 def test_grpo_sampling_and_clip_out_of_range(toy, monkeypatch, change, message):
+    from strategy.trainers import GRPOTrainer
     from strategy.trainers.run import Run
     from tests.support.helpers import forbid_process_group
 
     forbid_process_group(monkeypatch)
     reward = {"reward_fn": "strategy.demos.toy_task:reversal_reward"}
     with pytest.raises(ConfigError) as err:
-        Run.from_args(_argv({**_base(toy), **reward, **change}), grpo=True)
+        Run.from_args(_argv({**_base(toy), **reward, **change}), trainer=GRPOTrainer)
     assert str(err.value) == message
 
 
@@ -409,6 +415,6 @@ def test_train_batch_size_larger_than_the_dataset(toy):
         strategy=SimpleNamespace(config=SimpleNamespace(train_batch_size=2,
                                                         micro_train_batch_size=1)))
     with pytest.raises(ConfigError) as err:
-        SFT.loaders(run)
+        SFT.loaders(run.strategy, run.tokenizer, run.data)
     assert str(err.value) == (f"train_batch_size=2 is invalid: larger than the 1 training samples "
                               f"in {toy}/d.jsonl; lower it or add data")

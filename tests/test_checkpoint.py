@@ -85,12 +85,13 @@ def train(
     engine = s.prepare((model, opt, s.create_scheduler(opt, num_training_steps=STEPS)))
     engine.train()  # GPT-2's dropout draws from the RNG: an exact resume needs its state restored
     loader = s.setup_dataloader(IndexedTokens())
-    state = {}
+    state, rs = {}, None
     if resume:
         with only_weights_only_loads():
-            path, state = s.load_ckpt(engine, ckpt_dir, dataloader=loader)
+            loaded = s.load_ckpt(engine, ckpt_dir, dataloader=loader)
+        path, state = loaded
         assert path is not None, f"nothing to resume in {ckpt_dir}"
-    rs = s.resume_state
+        rs = loaded.resume
     epoch, consumed = (rs.epoch, rs.epoch_consumed) if rs else (0, 0)
     losses, seen, lrs = {}, {}, {}
     while engine.global_steps < STEPS:
@@ -115,14 +116,14 @@ def train(
                         tag=tag,
                         client_state={"note": f"stopped at {step}", "step": step},
                     )
-                    return _finish(s, engine, losses, seen, lrs, state)
+                    return _finish(s, engine, losses, seen, lrs, state, rs)
                 if step >= STEPS:
                     break
         epoch += 1
-    return _finish(s, engine, losses, seen, lrs, state)
+    return _finish(s, engine, losses, seen, lrs, state, rs)
 
 
-def _finish(s, engine, losses, seen, lrs, state) -> dict:
+def _finish(s, engine, losses, seen, lrs, state, resume) -> dict:
     weights, master = gathered_state(engine), _fp32_master(engine)
     optimizer = type(
         getattr(engine.optimizer, "optimizer", engine.optimizer)
@@ -135,7 +136,7 @@ def _finish(s, engine, losses, seen, lrs, state) -> dict:
         "weights": weights,
         "master": master,
         "state": state,
-        "resume": s.resume_state,
+        "resume": resume,
         "rng": (random.random(), torch.rand(1).item()),
         "optimizer": optimizer,
         "dtype": next(engine.module.parameters()).dtype,
@@ -236,7 +237,8 @@ def _load_empty(ckpt_dir: str):
     model = s.from_pretrained(tiny_llama())
     opt = s.create_optimizer(model)
     engine = s.prepare((model, opt, None))
-    out = (*s.load_ckpt(engine, ckpt_dir), s.resume_state)
+    loaded = s.load_ckpt(engine, ckpt_dir)
+    out = (*loaded, loaded.resume)
     from strategy.errors import ConfigError
 
     with pytest.raises(

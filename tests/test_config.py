@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import glob
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,25 +64,21 @@ def test_yaml_may_set_callers_own_flags(tmp_path):
 def test_every_shipped_config_loads():
     files = sorted(glob.glob("configs/*.yaml"))
     assert files, "configs/ must hold at least one YAML"
-    from strategy.trainers import (
-        GRPOTrainer,
-        KTOTrainer,
-        ORPOTrainer,
-        PPOTrainer,
-        SimPOTrainer,
-    )
-    from strategy.trainers.run import CONFIG_CLASSES
-
-    own = {"train_grpo": GRPOTrainer, "train_kto": KTOTrainer, "train_orpo": ORPOTrainer,
-           "train_simpo": SimPOTrainer, "train_ppo": PPOTrainer}  # with configs of their own
+    from strategy.cli.trainers import TRAINERS
+    from strategy.trainers import SFTTrainer
+    from strategy.trainers.run import CONFIG_CLASSES, foreign_flags, shared_flags
 
     for path in files:
         first = open(path).readline()
-        assert first.startswith("# ") and any(
-            launcher in first for launcher in ("deepspeed", "torchrun", "bash")
-        ), f"{path}: no launch command"
-        extra = next((list(t.config_classes) for s, t in own.items() if f"/{s}.py" in first), [])
-        configs, _ = parse_configs(list(CONFIG_CLASSES) + extra, ["--config", path])
+        command = re.search(r"strategy (\w+) --nproc 2 --config (\w+)", first)
+        assert first.startswith("# ") and (command or "bash examples/" in first), (
+            f"{path}: no launch command")
+        assert command is None or command.group(2) == Path(path).stem, path
+        trainer = TRAINERS[command.group(1)][0] if command else SFTTrainer  # the default run
+        hidden = frozenset(shared_flags(None) - shared_flags(trainer))
+        configs, _ = parse_configs(list(CONFIG_CLASSES) + list(trainer.config_classes),
+                                   ["--config", path], foreign=foreign_flags(trainer),
+                                   hidden=hidden)  # its trainer's keys only
         configs[0].validate_world(2)  # every shipped config runs at 2 ranks
 
 

@@ -148,14 +148,15 @@ def test_reward_model_scores_one_position_everywhere(ranks, real):
 
 
 def preference_and_chat(root: str) -> dict:
-    from strategy.trainers import DPOTrainer, Run, SFTTrainer
+    from strategy.trainers import DPOConfig, DPOTrainer, Run, SFTTrainer
 
     out = {}
     argv = _argv(root, "dpo", "pairs", pretrain=f"{root}/init", tokenizer=f"{root}/tok",
                  dataset=f"{root}/prefs", eval_dataset=f"{root}/prefs")  # its test split
-    with Run.from_args(argv) as run:
+    with Run.from_args(argv, trainer=DPOTrainer) as run:
         reference = run.strategy.from_pretrained(f"{root}/init", frozen=True)
-        trainer = run.trainer(DPOTrainer, run.model(), ref_model=reference, dpo=run.dpo)
+        trainer = run.trainer(DPOTrainer, run.model(), ref_model=reference,
+                              dpo=run.config(DPOConfig))
         out["dpo"] = (trainer.fit(), trainer.history)
     argv = _argv(root, "chat", "sft_chat", pretrain=f"{root}/init", tokenizer=f"{root}/tok",
                  max_len=64, save_steps=2, disable_ds_ckpt=True)  # exports only, as OpenRLHF
@@ -191,16 +192,18 @@ def grpo_rollouts(root: str) -> dict:
     from transformers import GenerationConfig
 
     from strategy.model import base_model
-    from strategy.trainers import GRPOTrainer, Run
+    from strategy.trainers import GRPOConfig, GRPOTrainer, Run
     from strategy.trainers.algorithms.grpo import sampling_rng
+    from strategy.trainers.algorithms.rewards import build_rewards
 
     argv = _argv(root, "grpo", "sft", pretrain=f"{root}/noisy", tokenizer=f"{root}/tok",
                  reward_pretrain=f"{root}/rm_init", group_size=4, max_new_tokens=6,
                  kl_coef=0.1, max_steps=2)
-    with Run.from_args(argv, grpo=True) as run:
+    with Run.from_args(argv, trainer=GRPOTrainer) as run:
         reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
-        trainer = run.trainer(GRPOTrainer, run.model(), grpo=run.grpo, ref_model=reference,
-                              reward=run.reward())
+        grpo = run.config(GRPOConfig)
+        trainer = run.trainer(GRPOTrainer, run.model(), grpo=grpo, ref_model=reference,
+                              reward=build_rewards(run, grpo))
         final = trainer.fit()
         prompts = next(iter(trainer.train_dataloader))
         hf_model = base_model(trainer.model.module)

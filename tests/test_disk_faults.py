@@ -147,8 +147,8 @@ def save_ckpt_on_full_disk(save_dir: str, stage: int) -> str:
     with pytest.raises(RuntimeError) as err:
         s.save_ckpt(engine, save_dir, tag="second")
     assert _digests(first) == before, "the earlier checkpoint's files changed"
-    path, _ = s.load_ckpt(engine, save_dir)
-    assert path == first and s.resume_state.tag == "first"  # the earlier checkpoint still loads
+    loaded = s.load_ckpt(engine, save_dir)  # the earlier checkpoint still loads
+    assert loaded.path == first and loaded.resume.tag == "first"
     s.close()
     return str(err.value)
 

@@ -88,13 +88,16 @@ def _argv(root, name: str, **extra) -> list[str]:
 
 
 def train(root: str, name: str, **extra) -> dict:
-    from strategy.trainers import GRPOTrainer
+    from strategy.trainers import GRPOConfig, GRPOTrainer
+    from strategy.trainers.algorithms.preference import reference_model
+    from strategy.trainers.algorithms.rewards import build_rewards
     from strategy.trainers.run import Run
 
-    with Run.from_args(_argv(root, name, **extra), grpo=True) as run:
+    with Run.from_args(_argv(root, name, **extra), trainer=GRPOTrainer) as run:
         model = run.model()
-        trainer = run.trainer(GRPOTrainer, model, grpo=run.grpo,
-                              ref_model=run.reference(model), reward=run.reward(),
+        grpo = run.config(GRPOConfig)
+        trainer = run.trainer(GRPOTrainer, model, grpo=grpo, ref_model=reference_model(run, model),
+                              reward=build_rewards(run, grpo),
                               packing=run.data.packing_samples)
         attention = {"policy": trainer.model.module.config._attn_implementation,
                      "reference": trainer.ref_model.module.config._attn_implementation}
@@ -198,8 +201,9 @@ def greedy_tokens(root: str, stage: int, gather: str = "full") -> dict:
 
     from strategy.errors import ConfigError
     from strategy.rollout import _every_rank, prefill_groups
-    from strategy.trainers import GRPOTrainer
+    from strategy.trainers import GRPOConfig, GRPOTrainer
     from strategy.trainers.algorithms.grpo import sampling_rng
+    from strategy.trainers.algorithms.rewards import build_rewards
     from strategy.trainers.run import Run
 
     extra = {"zero_stage": stage, "rollout_gather": gather}
@@ -207,9 +211,11 @@ def greedy_tokens(root: str, stage: int, gather: str = "full") -> dict:
         extra["ds_config_overrides"] = json.dumps(
             {"zero_optimization": {"stage3_param_persistence_threshold": 0}})
     refused = None
-    with Run.from_args(_argv(root, f"greedy{stage}", kl_coef=0.0, **extra), grpo=True) as run:
-        trainer = run.trainer(GRPOTrainer, run.model(), grpo=run.grpo,
-                              reward=run.reward())
+    argv = _argv(root, f"greedy{stage}", kl_coef=0.0, **extra)
+    with Run.from_args(argv, trainer=GRPOTrainer) as run:
+        grpo = run.config(GRPOConfig)
+        trainer = run.trainer(GRPOTrainer, run.model(), grpo=grpo,
+                              reward=build_rewards(run, grpo))
         out = []
         for batch in trainer.eval_dataloader:  # uneven shards: 7 and 6 prompts, 2 calls each
             batch = trainer.to_device(batch)
@@ -267,11 +273,11 @@ def test_greedy_generation_under_zero3_matches_zero0(ranks, toy):
 
 def reference_logps(root: str, offload: bool) -> dict:
     from strategy.internals import is_zero3_param
-    from strategy.trainers import data
+    from strategy.trainers import GRPOTrainer, data
     from strategy.trainers.losses import token_logps
     from strategy.trainers.run import Run
 
-    with Run.from_args(_argv(root, "ref", ref_offload=offload), grpo=True) as run:
+    with Run.from_args(_argv(root, "ref", ref_offload=offload), trainer=GRPOTrainer) as run:
         ref = run.strategy.prepare(run.strategy.from_pretrained(run.model_cfg.pretrain,
                                                                 frozen=True))
         rows = data.load_sft(f"{root}/data/test.jsonl", run.tokenizer, run.data)
@@ -301,7 +307,8 @@ def model_reward_run(root: str) -> dict:
     choices (REINFORCE++-baseline advantages whitened over both ranks, the GRPO paper's
     per-completion mean, DAPO's clip-higher, dual clip, a k2 KL in the token rewards, discounted
     returns): their math is checked in tests/test_advantages.py, here that they run at 2 ranks."""
-    from strategy.trainers import GRPOTrainer
+    from strategy.trainers import GRPOConfig, GRPOTrainer
+    from strategy.trainers.algorithms.rewards import build_rewards
     from strategy.trainers.run import Run
 
     argv = _argv(root, "rm_run", zero_stage=3, reward_pretrain=f"{root}/rm",
@@ -309,13 +316,13 @@ def model_reward_run(root: str) -> dict:
                  advantage_estimator="reinforce_baseline", policy_loss_agg="seq_mean_token_mean",
                  clip_eps_high=0.28, dual_clip=3.0, kl_estimator="k2", kl_in_reward=True,
                  gamma=0.9)
-    with Run.from_args(argv, grpo=True) as run:
-        reward = run.reward()
+    with Run.from_args(argv, trainer=GRPOTrainer) as run:
+        reward = build_rewards(run, run.config(GRPOConfig))
         prompts, completions = ["ab=", "abcdef=", "q="], ["ba", "fedcbaxyzxyz", ""]
         reward(prompts, completions, [{"output": "ba"}] * 3)
         scores = reward.last["model"]
         reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
-        trainer = run.trainer(GRPOTrainer, run.model(), grpo=run.grpo,
+        trainer = run.trainer(GRPOTrainer, run.model(), grpo=run.config(GRPOConfig),
                               ref_model=reference, reward=reward)
         trainer.fit()
     return {"scores": scores, "texts": [p + c for p, c in zip(prompts, completions)],
@@ -426,6 +433,7 @@ CASES = [
 @pytest.mark.parametrize("change,message", CASES, ids=[str(i) for i in range(len(CASES))])
 def test_bad_grpo_setting_fails_before_process_group(toy, monkeypatch, change, message):
     from strategy.errors import ConfigError
+    from strategy.trainers import GRPOTrainer
     from strategy.trainers.run import Run
     from tests.support.helpers import forbid_process_group
 
@@ -433,6 +441,6 @@ def test_bad_grpo_setting_fails_before_process_group(toy, monkeypatch, change, m
     change = {k: (f"{toy}/data/tokenizer" if v == "TOK" else v) for k, v in change.items()}
     argv = [a for a in _argv(toy, "refused", **change) if not a.endswith("=None")]
     with pytest.raises(ConfigError) as info:
-        Run.from_args(argv, grpo=True)
+        Run.from_args(argv, trainer=GRPOTrainer)
     assert message in str(info.value)
     assert "\n" not in str(info.value)

@@ -41,6 +41,7 @@ LAYERS = {
     "deepspeed_strategy": 8,
     "trainers": 9,
     "demos": 10,
+    "cli": 11,
 }
 
 
@@ -195,9 +196,20 @@ def test_ruff_clean():
 
 
 # Inside trainers/, concerns import one way too: losses, then data, then the loop, then the
-# algorithms, then the wiring (run) and the package's public names.
-TRAINER_LAYERS = {"config": 0, "losses": 1, "data": 2, "loop": 3, "algorithms": 4, "run": 5,
+# wiring (run: it names no algorithm), then the algorithms and the package's public names.
+TRAINER_LAYERS = {"config": 0, "losses": 1, "data": 2, "loop": 3, "run": 3.5, "algorithms": 4,
                   "recipe": 6}
+
+
+def test_run_imports_no_algorithm():
+    """``Run`` (flags to strategy, model, loaders) names no algorithm: a trainer's own configs,
+    checks, loaders and extra models live with it."""
+    targets = import_graph()["strategy.trainers.run"]
+    assert targets, "the import graph found run.py's imports"
+    assert not [t for t in targets if t.startswith("strategy.trainers.algorithms")], targets
+    source = (PACKAGE / "trainers" / "run.py").read_text()
+    for word in ("GRPO", "PPO", "DPO", "critic", "reward"):
+        assert word not in source, f"run.py mentions {word}"
 
 
 def test_trainer_concerns_import_one_way():

@@ -41,18 +41,20 @@ def _argv(root, name: str, sp: int, dataset: str, tp: int = 1, **extra) -> list[
 
 def train(root: str, name: str, sp: int, kind: str, tp: int = 1, **extra) -> dict:
     from strategy.parallel.tensor import is_tensor_parallel_param
-    from strategy.trainers import DPOTrainer, SFTTrainer
+    from strategy.trainers import DPOConfig, DPOTrainer, SFTTrainer
     from strategy.trainers.run import Run
 
     dataset = "sft" if kind == "sft" else "pairs"
-    with Run.from_args(_argv(root, name, sp, dataset, tp, **extra)) as run:
+    trainer_cls = SFTTrainer if kind == "sft" else DPOTrainer
+    with Run.from_args(_argv(root, name, sp, dataset, tp, **extra), trainer=trainer_cls) as run:
         model = run.model()
         attention = model.config._attn_implementation
         if kind == "sft":
             trainer = run.trainer(SFTTrainer, model)
         else:
             reference = run.strategy.from_pretrained(f"{root}/init")
-            trainer = run.trainer(DPOTrainer, model, ref_model=reference, dpo=run.dpo)
+            trainer = run.trainer(DPOTrainer, model, ref_model=reference,
+                                  dpo=run.config(DPOConfig))
         final = trainer.fit()
         split = [n for n, p in trainer.model.named_parameters() if is_tensor_parallel_param(p)]
     return {"history": trainer.history, "final": final, "split": split, "attention": attention}

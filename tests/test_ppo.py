@@ -96,7 +96,9 @@ def _argv(root, name: str, **extra) -> list[str]:
 
 
 def ppo_run(root: str, name: str, **extra) -> dict:
-    from strategy.trainers import PPOTrainer
+    from strategy.trainers import PPOConfig, PPOTrainer
+    from strategy.trainers.algorithms.ppo import build_critic
+    from strategy.trainers.algorithms.rewards import build_rewards
     from strategy.trainers.run import Run
 
     class Recording(PPOTrainer):
@@ -113,8 +115,9 @@ def ppo_run(root: str, name: str, **extra) -> dict:
 
     with Run.from_args(_argv(root, name, **extra), trainer=PPOTrainer) as run:
         reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
-        trainer = run.trainer(Recording, run.model(), grpo=run.grpo, ref_model=reference,
-                              reward=run.reward(), critic=run.critic())
+        ppo = run.config(PPOConfig)
+        trainer = run.trainer(Recording, run.model(), grpo=ppo, ref_model=reference,
+                              reward=build_rewards(run, ppo), critic=build_critic(run, ppo))
         final = trainer.fit()
     return {"history": trainer.history, "final": final, "experience": Recording.seen}
 
@@ -185,17 +188,20 @@ def test_ppo_zero3_trains_both_engines_matches_openrlhf_and_resumes_exactly(rank
 def mixed_stages(root: str) -> dict:
     """The policy at ZeRO-2, the critic at its own ZeRO-3 with CPU Adam: what each engine is."""
     from strategy.internals import is_zero3_param
-    from strategy.trainers import PPOTrainer
+    from strategy.trainers import PPOConfig, PPOTrainer
+    from strategy.trainers.algorithms.ppo import build_critic
+    from strategy.trainers.algorithms.rewards import build_rewards
     from strategy.trainers.run import Run
 
     argv = _argv(root, "mixed", zero_stage=2, critic_zero_stage=3, critic_adam_offload=True,
                  max_steps=2, save_steps=-1, save_value_network=False)
     with Run.from_args(argv, trainer=PPOTrainer) as run:
         reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
-        built = {"model": run.model(), "critic": run.critic()}  # each built as its stage says
+        ppo = run.config(PPOConfig)
+        built = {"model": run.model(), "critic": build_critic(run, ppo)}  # each as its stage says
         partitioned = {k: any(is_zero3_param(p) for p in m.parameters()) for k, m in built.items()}
-        trainer = run.trainer(PPOTrainer, built["model"], grpo=run.grpo, ref_model=reference,
-                              reward=run.reward(), critic=built["critic"])
+        trainer = run.trainer(PPOTrainer, built["model"], grpo=ppo, ref_model=reference,
+                              reward=build_rewards(run, ppo), critic=built["critic"])
         trainer.fit()
         engines = {"model": trainer.model, "critic": trainer.critic}
         return {"stage": {k: e.zero_optimization_stage() for k, e in engines.items()},

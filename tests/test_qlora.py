@@ -130,14 +130,16 @@ def test_qlora_trains_exports_and_resumes_exactly(ranks, toy, stage):
 
 def dpo(toy: str) -> dict:
     from strategy.quant import is_four_bit
-    from strategy.trainers import DPOTrainer
+    from strategy.trainers import DPOConfig, DPOTrainer
+    from strategy.trainers.algorithms.preference import reference_model
     from strategy.trainers.run import Run
 
     argv = _argv(toy, 3, "dpo", max_steps=2, dataset=f"{toy}/data/pairs_train.jsonl",
                  eval_dataset=f"{toy}/data/pairs_test.jsonl")
     with Run.from_args(argv, trainer=DPOTrainer) as run:
         model = run.model()
-        trainer = run.trainer(DPOTrainer, model, ref_model=run.reference(model), dpo=run.dpo)
+        trainer = run.trainer(DPOTrainer, model, ref_model=reference_model(run, model),
+                              dpo=run.config(DPOConfig))
         final = trainer.fit()
         return {"history": trainer.history, "final": final,
                 "reference_four_bit": is_four_bit(trainer.ref_model.module)}

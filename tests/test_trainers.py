@@ -148,11 +148,12 @@ def test_sft_and_reward_model_learn(ranks, toy, stage):
 
 
 def dpo_and_lora(stage: int, toy: str) -> dict:
-    from strategy.trainers import DPOTrainer, SFTTrainer
+    from strategy.trainers import DPOConfig, DPOTrainer, SFTTrainer
     from strategy.trainers.run import Run
 
     run = Run.from_args(
-        _argv(stage, toy, "dpo", "pairs", pretrain=f"{toy}/init", learning_rate=1e-3)
+        _argv(stage, toy, "dpo", "pairs", pretrain=f"{toy}/init", learning_rate=1e-3),
+        trainer=DPOTrainer,
     )
     model, reference = run.model(), run.strategy.from_pretrained(f"{toy}/init")
     train, held = run.loaders(DPOTrainer.data)
@@ -165,7 +166,7 @@ def dpo_and_lora(stage: int, toy: str) -> dict:
         held,
         run.train,
         run.tokenizer,
-        dpo=run.dpo,
+        dpo=run.config(DPOConfig),
     )
     dpo_eval = dpo.fit()
     dpo_direct = _direct_dpo_accuracy(dpo, f"{toy}/data/pairs_test.jsonl")

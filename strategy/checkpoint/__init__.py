@@ -9,12 +9,12 @@ passes in what writes a model's ``config.json`` beside the weights.
 
 from strategy.checkpoint.config import CheckpointConfig, Retention
 from strategy.checkpoint.layout import RunLayout
-from strategy.checkpoint.load import check_resumable, load_checkpoint
+from strategy.checkpoint.load import LoadedCheckpoint, check_resumable, load_checkpoint
 from strategy.checkpoint.progress import ResumeState, progress
 from strategy.checkpoint.save import save_checkpoint
 from strategy.checkpoint.storage import CheckpointStorage, deepspeed_section, find_storage
 from strategy.checkpoint.tags import resolve_tag, validate_tag
 
-__all__ = ["CheckpointConfig", "CheckpointStorage", "ResumeState", "Retention", "RunLayout",
-           "check_resumable", "deepspeed_section", "find_storage", "load_checkpoint", "progress",
-           "resolve_tag", "save_checkpoint", "validate_tag"]
+__all__ = ["CheckpointConfig", "CheckpointStorage", "LoadedCheckpoint", "ResumeState", "Retention",
+           "RunLayout", "check_resumable", "deepspeed_section", "find_storage", "load_checkpoint",
+           "progress", "resolve_tag", "save_checkpoint", "validate_tag"]

@@ -76,16 +76,25 @@ class Retention:
         validate_limits(self.max_num, self.max_mem, self.keep_best)
 
     @classmethod
-    def from_config(cls, config: CheckpointConfig) -> Retention:
-        """The rules ``config`` sets.
+    def from_config(cls, config: CheckpointConfig, max_num: int | None = None,
+                    max_mem: float | None = None) -> Retention:
+        """The rules ``config`` sets, with OpenRLHF's ``save_ckpt(..., max_num, max_mem)``
+        limits in place of its count and size where given.
 
         Args:
             config: its ``max_ckpt_num``, ``max_ckpt_mem``, ``keep_best_ckpt`` and
                 ``best_metric_higher`` become ``max_num``, ``max_mem``, ``keep_best`` and
                 ``higher_is_better``.
+            max_num: keep at most this many checkpoints instead of ``max_ckpt_num``.
+            max_mem: keep at most this many GB instead of ``max_ckpt_mem`` (GiB, as OpenRLHF
+                counts them: ``max_mem * 1024**3`` bytes).
 
         Returns:
             The ``Retention`` those settings describe.
+
+        Raises:
+            ConfigError: a limit is out of range.
         """
-        return cls(config.max_ckpt_num, config.max_ckpt_mem, config.keep_best_ckpt,
+        return cls(config.max_ckpt_num if max_num is None else max_num,
+                   config.max_ckpt_mem if max_mem is None else max_mem, config.keep_best_ckpt,
                    config.best_metric_higher)

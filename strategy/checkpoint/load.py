@@ -52,6 +52,43 @@ def _load_universal(engine: Any, ckpt_dir: str, meta: dict, **kw: Any) -> tuple[
     return path, state
 
 
+class LoadedCheckpoint(tuple):
+    """What a resume loaded: unpacks as ``(path, client_state)``, DeepSpeed's and OpenRLHF's pair,
+    and carries where the run stands (``resume``), so nothing is left on the strategy.
+
+    Args:
+        path: the checkpoint directory loaded, or None when there was nothing to resume.
+        client_state: the ``client_state`` it was saved with (``{}`` when nothing was loaded).
+        resume: step, consumed samples, epoch and position in it; None when nothing was loaded.
+
+    Attributes:
+        resume: the ``ResumeState``, or None.
+    """
+
+    def __new__(cls, path: str | None, client_state: dict,
+                resume: ResumeState | None) -> LoadedCheckpoint:
+        out = super().__new__(cls, (path, client_state))
+        out.resume = resume
+        return out
+
+    @property
+    def path(self) -> str | None:
+        """The checkpoint directory loaded, or None."""
+        return self[0]
+
+    @property
+    def client_state(self) -> dict:
+        """The ``client_state`` saved with it."""
+        return self[1]
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.path, self.client_state, self.resume)
+
+    def __repr__(self) -> str:
+        return (f"LoadedCheckpoint(path={self.path!r}, client_state={self.client_state!r}, "
+                f"resume={self.resume!r})")
+
+
 def check_layout(meta: dict, layout: RunLayout, ckpt_dir: str) -> None:
     """A checkpoint resumes at the sequence- and tensor-parallel sizes it was saved at."""
     mismatch = layout.mismatch(meta)
@@ -94,7 +131,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     dataloader: Any = None, universal: bool | None = None,
                     layout: RunLayout | None = None, node_local: bool = False,
-                    ) -> tuple[str | None, dict, ResumeState | None]:
+                    load_module_strict: bool = True) -> LoadedCheckpoint:
     """Load on every rank (collective).
 
     Args:
@@ -109,10 +146,13 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None,
         layout: the run's ``RunLayout`` (default ``RunLayout()``); its sequence- and
             tensor-parallel sizes must match the saved ones.
         node_local: each node reads its own copy of ``load_dir``.
+        load_module_strict: the saved weights must name exactly the model's (DeepSpeed's
+            ``load_module_strict``; a 4-bit model always loads non-strictly).
 
     Returns:
-        ``(checkpoint directory, client_state, ResumeState)``; ``(None, {}, None)`` when
-        ``load_dir`` holds no checkpoint to resume.
+        A ``LoadedCheckpoint``: ``(checkpoint directory, client_state)`` with the
+        ``ResumeState`` as ``.resume``; ``(None, {})`` with ``resume`` None when ``load_dir``
+        holds no checkpoint to resume.
 
     Raises:
         ConfigError: ``tag`` is invalid or not complete, or the layout differs from the saved one.
@@ -122,12 +162,13 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None,
     layout = layout or RunLayout()
     tag = pick_tag(load_dir, tag, node_local)
     if tag is None:
-        return None, {}, None
+        return LoadedCheckpoint(None, {}, None)
     ckpt_dir = os.path.join(load_dir, tag)
     meta = read_meta(ckpt_dir)
     check_layout(meta, layout, ckpt_dir)
     kw = {"load_optimizer_states": load_optimizer_states,
-          "load_lr_scheduler_states": load_lr_scheduler_states}
+          "load_lr_scheduler_states": load_lr_scheduler_states,
+          "load_module_strict": load_module_strict}
     if is_four_bit(engine.module):  # bitsandbytes' quantisation state rides along in the saved
         kw["load_module_strict"] = False  # module state, which a loaded 4-bit model cannot take
     if universal is None:
@@ -154,4 +195,4 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None,
                     "continue from the seed", ckpt_dir, meta["world_size"])
     resume = ResumeState(tag, position["global_step"], position["consumed_samples"],
                          position["epoch"], position["epoch_consumed"])
-    return ckpt_dir, dict((state or {}).get(CLIENT_KEY, {})), resume
+    return LoadedCheckpoint(ckpt_dir, dict((state or {}).get(CLIENT_KEY, {})), resume)

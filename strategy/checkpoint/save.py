@@ -43,8 +43,9 @@ def _param_groups(engine: Any) -> list[dict]:
             for group in groups]
 
 
-def publish(save_dir: str, staged: str, tag: str, meta: dict) -> str:
-    """Rank 0: mark the staged checkpoint complete, move it into place, point ``latest`` at it."""
+def publish(save_dir: str, staged: str, tag: str, meta: dict, save_latest: bool = True) -> str:
+    """Rank 0: mark the staged checkpoint complete, move it into place, point ``latest`` at it
+    (unless not ``save_latest``)."""
     write_json(os.path.join(staged, META), meta)
     staging = os.path.dirname(staged)
     for name in os.listdir(staging):  # DeepSpeed drops zero_to_fp32.py beside its tags: keep it
@@ -52,7 +53,8 @@ def publish(save_dir: str, staged: str, tag: str, meta: dict) -> str:
             os.replace(os.path.join(staging, name), os.path.join(save_dir, name))
     final = os.path.join(save_dir, tag)
     publish_dir(staged, final)
-    write_file(os.path.join(save_dir, LATEST), tag)
+    if save_latest:
+        write_file(os.path.join(save_dir, LATEST), tag)
     return final
 
 
@@ -98,7 +100,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None,
                     metric: float | None = None,
                     write_metadata: Callable[[str], None] | None = None,
                     layout: RunLayout | None = None, node_local: bool = False,
-                    rank_files: Callable[[str, int], None] | None = None) -> str:
+                    rank_files: Callable[[str, int], None] | None = None,
+                    save_latest: bool = True) -> str:
     """Save on every rank (collective). The publisher is rank 0, or with ``node_local`` each
     node's local rank 0 for its own copy; retention runs once every publisher has published.
 
@@ -116,6 +119,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None,
         node_local: each node writes and publishes its own copy of ``save_dir``.
         rank_files: ``rank_files(dir, rank)`` writes this rank's own extra files (the EMA
             weights' part) beside DeepSpeed's.
+        save_latest: point ``latest`` at it (DeepSpeed's meaning: a resume without a tag loads
+            the checkpoint ``latest`` names); False leaves ``latest`` as it was.
 
     Returns:
         The published checkpoint's directory, ``<save_dir>/<tag>``.
@@ -147,7 +152,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None,
             "param_groups": _param_groups(engine), **layout.recorded(),
             "storage": "node_local" if node_local else "shared", "nodes": dist.get_num_nodes(),
             **progress(engine, samples_per_step=layout.samples_per_step)}
-    final = on_publisher(publish, save_dir, staged, tag, meta)
+    final = on_publisher(publish, save_dir, staged, tag, meta, save_latest)
     deleted = on_publisher(apply_retention, save_dir, retention)
     if deleted:
         log.info("retention deleted %s from %s", deleted, save_dir)

@@ -14,6 +14,7 @@ import json
 import os
 import types
 import typing
+from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
@@ -79,13 +80,15 @@ def _flag_kwargs(field: dataclasses.Field, tp: Any) -> dict:
     return kwargs
 
 
-def add_config_args(parser: argparse.ArgumentParser, *classes: type) -> argparse.ArgumentParser:
+def add_config_args(parser: argparse.ArgumentParser, *classes: type,
+                    hidden: frozenset = frozenset()) -> argparse.ArgumentParser:
     """Add ``--config``, ``--local_rank`` and one flag per field; defaults stay None so explicit
     flags can be told from unset ones.
 
     Args:
         parser: the parser to add to; adding the same classes twice is an argparse error.
         *classes: config dataclasses whose fields become flags (``--<field>``).
+        hidden: fields that get no flag (another trainer's; they keep their defaults).
 
     Returns:
         ``parser``, for chaining.
@@ -100,15 +103,66 @@ def add_config_args(parser: argparse.ArgumentParser, *classes: type) -> argparse
     for cls in classes:
         group = parser.add_argument_group(cls.__name__)
         for name, (field, tp) in _fields(cls).items():
-            group.add_argument(f"--{name}", **_flag_kwargs(field, tp))
+            if name not in hidden:
+                group.add_argument(f"--{name}", **_flag_kwargs(field, tp))
     return parser
+
+
+def shipped_configs() -> dict[str, str]:
+    """The YAML configs shipped with the package (``configs/`` of the repository, package data
+    of the wheel), by name without ``.yaml``.
+
+    Returns:
+        ``{name: path}``.
+    """
+    folder = Path(__file__).resolve().parents[1] / "configs"
+    return {p.stem: str(p) for p in sorted(folder.glob("*.yaml"))} if folder.is_dir() else {}
+
+
+def shipped_file(path: str) -> str:
+    """``path`` if it exists, else the shipped file of its name (a shipped config's
+    ``model_config: configs/tiny_llama.json`` from any directory), else ``path`` unchanged.
+
+    Args:
+        path: a file a setting names.
+
+    Returns:
+        The path to read.
+    """
+    shipped = Path(__file__).resolve().parents[1] / "configs" / os.path.basename(path)
+    return path if os.path.exists(path) or not shipped.is_file() else str(shipped)
+
+
+def config_path(value: str) -> str:
+    """``--config``'s file: a path as given, else a shipped config by name (``sft_zero2`` or
+    ``sft_zero2.yaml``).
+
+    Args:
+        value: what ``--config`` was given.
+
+    Returns:
+        The path to read.
+
+    Raises:
+        ConfigError: neither an existing file nor a shipped config's name.
+    """
+    if os.path.isfile(value):
+        return value
+    shipped = shipped_configs()
+    name = value[:-len(".yaml")] if value.endswith(".yaml") else value
+    if os.sep not in value and name in shipped:
+        return shipped[name]
+    close = difflib.get_close_matches(name, shipped, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ConfigError(f"config={value!r} is invalid: no such file or shipped config; {hint}pass "
+                      f"a YAML path or one of {', '.join(shipped) or 'the shipped configs'}")
 
 
 def read_yaml(path: str) -> dict:
     """Read a YAML settings file.
 
     Args:
-        path: the file's path.
+        path: the file's path, or a shipped config's name (``config_path``).
 
     Returns:
         Its top-level mapping (empty for an empty file).
@@ -116,8 +170,7 @@ def read_yaml(path: str) -> dict:
     Raises:
         ConfigError: the file is missing, not YAML, or not a mapping at the top level.
     """
-    if not os.path.isfile(path):
-        raise ConfigError(f"config={path!r} is invalid: no such file; pass an existing YAML path")
+    path = config_path(path)
     with open(path) as fh:
         try:
             data = yaml.safe_load(fh) or {}
@@ -130,22 +183,27 @@ def read_yaml(path: str) -> dict:
     return data
 
 
-def build_configs(classes: Sequence[type], values: dict, source: str = "config") -> list:
+def build_configs(classes: Sequence[type], values: dict, source: str = "config",
+                  foreign: dict[str, str] | None = None) -> list:
     """Split a flat mapping across the dataclasses (each validates itself on construction).
 
     Args:
         classes: the config dataclasses, in the order of the result.
         values: ``{field: value}`` for fields of any of them; values are coerced to field types.
         source: where the values came from, named in errors (e.g. the YAML path).
+        foreign: ``{key: refusal}`` for another trainer's settings (the line to raise).
 
     Returns:
         One instance per class, in order.
 
     Raises:
-        ConfigError: a key is no field (the message suggests a close one), or a value is invalid.
+        ConfigError: a key is no field (the message suggests a close one, or names the trainers
+            that take it), or a value is invalid.
     """
     known = {name: cls for cls in classes for name in _fields(cls)}
     for key in values:
+        if key in (foreign or {}):
+            raise ConfigError(f"{source}: {foreign[key]}")
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"did you mean {close[0]!r}?" if close else "remove it"
@@ -155,7 +213,9 @@ def build_configs(classes: Sequence[type], values: dict, source: str = "config")
 
 
 def parse_configs(classes: Sequence[type], argv: Sequence[str] | None = None,
-                  parser: argparse.ArgumentParser | None = None) -> tuple[list, argparse.Namespace]:
+                  parser: argparse.ArgumentParser | None = None,
+                  foreign: dict[str, str] | None = None,
+                  hidden: frozenset = frozenset()) -> tuple[list, argparse.Namespace]:
     """Parse ``argv`` into instances of ``classes`` (defaults < YAML < flags), validated. The
     caller's own flags (added to ``parser`` beforehand) may also be set from the YAML file.
 
@@ -164,23 +224,49 @@ def parse_configs(classes: Sequence[type], argv: Sequence[str] | None = None,
         argv: the command line without the program name; None reads ``sys.argv``.
         parser: a parser holding the caller's own flags; None starts an empty one. Flags are
             never abbreviated (``allow_abbrev`` is turned off).
+        foreign: ``{flag name: refusal line}`` for flags of other trainers.
+        hidden: fields that take no flag nor YAML key (``add_config_args``); each should have
+            its line in ``foreign``.
 
     Returns:
         The config instances (in the order of ``classes``) and the parsed namespace.
 
     Raises:
-        ConfigError: from ``read_yaml`` or ``build_configs``.
+        ConfigError: an unknown flag or key (one line: the trainers that take it, or a close
+            match), a flag's value of the wrong form, or from ``read_yaml``/``build_configs``.
     """
     parser = parser or argparse.ArgumentParser()
     parser.allow_abbrev = False  # `--loss` must not silently become `--loss_weighting`
-    namespace = add_config_args(parser, *classes).parse_args(argv)
+    parser.error = _raise_config_error  # one line, no usage block
+    namespace, unknown = add_config_args(parser, *classes, hidden=hidden).parse_known_args(argv)
+    if unknown:
+        raise ConfigError(_unknown_flag(unknown, parser, foreign or {}))
     config_path = getattr(namespace, CONFIG_FLAG)
     values = read_yaml(config_path) if config_path else {}
-    names = {name for cls in classes for name in _fields(cls)}
+    names = {name for cls in classes for name in _fields(cls)} - hidden
     own_flags = set(vars(namespace)) - names - {CONFIG_FLAG}
     for key in [k for k in values if k in own_flags]:
         value = values.pop(key)
         if getattr(namespace, key) == parser.get_default(key):
             setattr(namespace, key, value)
     values.update({k: v for k, v in vars(namespace).items() if k in names and v is not None})
-    return build_configs(classes, values, config_path or "config"), namespace
+    return build_configs(classes, values, config_path or "config", foreign), namespace
+
+
+def _raise_config_error(message: str):
+    raise ConfigError(f"bad command line: {message}")
+
+
+def _unknown_flag(unknown: list[str], parser: argparse.ArgumentParser,
+                  foreign: dict[str, str]) -> str:
+    """The line refusing the first argument no flag of ``parser`` takes."""
+    flags = [arg for arg in unknown if arg.startswith("--")]
+    if not flags:
+        return f"unexpected argument {unknown[0]!r}: every setting is a --flag VALUE pair"
+    name = flags[0][2:].partition("=")[0]
+    if name in foreign:
+        return foreign[name]
+    ours = [opt[2:] for opt in parser._option_string_actions if opt.startswith("--")]
+    close = difflib.get_close_matches(name, ours, n=1)
+    hint = f"did you mean --{close[0]}?" if close else "see --help for the flags"
+    return f"--{name} is not a flag here; {hint}"

@@ -8,21 +8,25 @@ from typing import Any
 from strategy.errors import fail
 
 
-def doc(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+def doc(text: str, default: Any = dataclasses.MISSING, trainers: tuple[str, ...] | None = None,
+        **kw: Any) -> Any:
     """A dataclass field with a one-line help text (shown by ``--help``).
 
     Args:
         text: the help text, one line.
         default: the default; a dict or list is copied for each instance.
+        trainers: the trainer commands whose flag this shared field is (``("dpo", "kto")``);
+            the others neither show nor take it (None: every trainer's).
         **kw: more ``dataclasses.field`` arguments.
 
     Returns:
         The ``dataclasses.field`` to assign to the class attribute.
     """
+    metadata = {"help": text, "trainers": trainers}
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=lambda: type(default)(default),
-                                 metadata={"help": text}, **kw)
-    return dataclasses.field(default=default, metadata={"help": text}, **kw)
+                                 metadata=metadata, **kw)
+    return dataclasses.field(default=default, metadata=metadata, **kw)
 
 
 def check_positive(config: Any, *names: str) -> None:

@@ -27,7 +27,8 @@ class StrategyConfig:
     param_offload: bool = doc("keep parameters on CPU between uses (ZeRO-3 only)", False)
     ref_offload: bool = doc("keep frozen eval engines (DPO/GRPO reference, reward model) off the "
                             "accelerator between uses: ZeRO-3 with parameters offloaded to CPU, "
-                            "whatever the training stage", False)
+                            "whatever the training stage", False,
+                            trainers=("dpo", "kto", "grpo", "ppo"))
     micro_train_batch_size: int = doc("samples per rank per forward/backward", 8)
     train_batch_size: int = doc("global samples per optimizer step (micro x accumulation x "
                                 "data-parallel ranks)", 128)
@@ -123,6 +124,12 @@ class StrategyConfig:
                  f"parameter offload needs ZeRO-3, got zero_stage={self.zero_stage}")
 
     # ------------------------------------------------------------ rank arithmetic
+    @property
+    def partitions_parameters(self) -> bool:
+        """Whether the trained weights are partitioned across ranks (ZeRO-3): every forward call
+        gathers them, and a rank's module alone cannot generate without its peers."""
+        return self.zero_stage == 3
+
     @property
     def model_parallel_size(self) -> int:
         """Ranks that share one batch: a sequence- or tensor-parallel group."""

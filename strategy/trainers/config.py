@@ -11,6 +11,10 @@ from strategy.errors import fail
 from strategy.rollout import GATHER_MODES
 
 OVERLONG = ("truncate", "drop", "error")
+# which trainer commands take a shared field that is not every trainer's (``doc(trainers=)``)
+REFERENCED = ("dpo", "kto", "grpo", "ppo")  # a frozen reference model
+PAIRED = ("rm", "dpo", "orpo", "simpo", "kto")  # preference pairs (KTO: as one of each)
+PROMPTED = ("sft", "grpo", "ppo")  # input/output rows
 LOSS_WEIGHTINGS = ("step", "micro_batch")
 
 
@@ -28,7 +32,7 @@ class ModelConfig:
                                    "flex_attention (GPU) or eager", "sdpa")
 
     ref_pretrain: str | None = doc("the frozen reference of DPO/GRPO (default: --pretrain)",
-                                   None)
+                                   None, trainers=REFERENCED)
 
     def __post_init__(self) -> None:
         if self.pretrain is None and self.model_config is None:
@@ -72,7 +76,8 @@ class TrainConfig:
                                     "(default: known H100/H200/A100 bf16 figures; none on CPU)",
                                     None)
     aux_loss_coef: float = doc("SFT of an MoE model (Mixtral, Qwen2-MoE...): weight of the "
-                               "router's load-balancing loss, added per micro-batch", 0.0)
+                               "router's load-balancing loss, added per micro-batch", 0.0,
+                               trainers=("sft",))
     ema_beta: float = doc("keep an exponential moving average of the trained weights with this "
                           "decay, e.g. 0.999 (0: off); saved in checkpoints", 0.0)
     save_ema: bool = doc("also export the moving-average weights to <save_path>_ema", False)
@@ -113,16 +118,22 @@ class DataConfig:
                                     "e.g. 0.7,0.3 (seeded; default: concatenated)", None)
     input_template: str | None = doc("wrap each prompt, e.g. 'User: {}\\nAssistant: ' (no chat "
                                      "template)", None)
-    input_key: str = doc("SFT: field holding the prompt", "input")
-    output_key: str = doc("SFT: field holding the response", "output")
-    prompt_key: str = doc("RM/DPO: field holding the prompt", "prompt")
-    chosen_key: str = doc("RM/DPO: field holding the preferred response", "chosen")
-    rejected_key: str = doc("RM/DPO: field holding the rejected response", "rejected")
-    completion_key: str = doc("KTO: field holding the completion", "completion")
+    input_key: str = doc("SFT/GRPO: field holding the prompt", "input", trainers=PROMPTED)
+    output_key: str = doc("SFT: field holding the response (GRPO: the reference answer)",
+                          "output", trainers=PROMPTED)
+    prompt_key: str = doc("RM/DPO: field holding the prompt", "prompt", trainers=PAIRED)
+    chosen_key: str = doc("RM/DPO: field holding the preferred response", "chosen",
+                          trainers=PAIRED)
+    rejected_key: str = doc("RM/DPO: field holding the rejected response", "rejected",
+                            trainers=PAIRED)
+    completion_key: str = doc("KTO: field holding the completion", "completion",
+                              trainers=("kto",))
     label_key: str = doc("KTO: field holding the label (true: desirable); a row with --chosen_key "
-                         "and --rejected_key instead gives one completion of each", "label")
+                         "and --rejected_key instead gives one completion of each", "label",
+                         trainers=("kto",))
     messages_key: str = doc("SFT: field holding a chat (a list of role/content turns); rows with "
-                            "it are rendered with the tokenizer's chat template", "messages")
+                            "it are rendered with the tokenizer's chat template", "messages",
+                            trainers=("sft",))
     apply_chat_template: bool = doc("wrap prompts in the tokenizer's chat template", False)
     max_len: int = doc("longest sample in tokens", 512)
     overlong: str = doc("a sample longer than max_len: 'truncate', 'drop' (counted) or 'error'",
@@ -130,9 +141,13 @@ class DataConfig:
     skip_bad_rows: bool = doc("skip (and count) rows with missing keys or empty text instead of "
                               "failing", False)
     max_samples: int = doc("use at most N training samples (-1: all)", -1)
-    packing_samples: bool = doc("SFT/RM/DPO: pack several short samples into one max_len row; "
-                                "GRPO/PPO: forward each update micro-batch without its padding",
-                                False)
+    packing_samples: bool = doc("OpenRLHF's packing: batch sizes count samples, and each "
+                                "micro-batch's samples are forwarded as one padding-free row "
+                                "(position ids restart per sample; GRPO/PPO: the update's "
+                                "forwards)", False)
+    pack_dataset: bool = doc("SFT/RM/DPO: pack the dataset's samples into rows of up to max_len "
+                             "tokens (pairs: 2 x max_len) before batching; batch sizes then "
+                             "count those rows, not samples", False)
     streaming: bool = doc("read --dataset lazily (larger than memory): a seeded shuffle buffer, "
                           "pass after pass; needs --max_steps; resume is exact", False)
     shuffle_buffer: int = doc("--streaming: rows held to shuffle from", 10000)
@@ -151,10 +166,18 @@ class DataConfig:
                  "not both")
         if self.dataset_probs is not None:
             self.probabilities()
-        if self.streaming and self.packing_samples:
-            fail("packing_samples", True, "packing needs the whole dataset; drop it or "
-                 "--streaming")
+        for name in ("packing_samples", "pack_dataset"):
+            if self.streaming and getattr(self, name):
+                fail(name, True, "packing is not done on a stream here; drop it or --streaming")
+        if self.packing_samples and self.pack_dataset:
+            fail("pack_dataset", True, "it packs the dataset into rows, --packing_samples packs "
+                 "each micro-batch; pass one")
         check_positive(self, "shuffle_buffer")
+
+    @property
+    def packed(self) -> bool:
+        """Whether batches are packed rows (``--packing_samples`` or ``--pack_dataset``)."""
+        return self.packing_samples or self.pack_dataset
 
     def probabilities(self) -> list[float] | None:
         """The ``--dataset_probs`` weights, one per ``--dataset`` entry (None: concatenate).
@@ -440,7 +463,7 @@ class GRPOConfig:
             fail("dual_clip", self.dual_clip, "use a bound > 1, e.g. 3.0, or leave it unset")
         if self.advantage_estimator == "gae" and "gae" not in self.estimators:
             fail("advantage_estimator", "gae", "GAE needs a value model (a critic), which GRPO "
-                 f"has none of; train with examples/train_ppo.py, or use one of "
+                 f"has none of; train with strategy ppo, or use one of "
                  f"{', '.join(OUTCOME_ESTIMATORS)}")
         if not 0 < self.gamma <= 1:
             fail("gamma", self.gamma, "use a discount in (0, 1], e.g. 1.0")

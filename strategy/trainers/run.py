@@ -1,15 +1,16 @@
 """From command-line flags to a ready strategy, tokenizer, model, loaders, optimizer and schedule.
 
-Every example shares this; it validates every setting before the process group starts. ``Run`` is
-a context manager that closes its strategy, even when training raises.
+Every trainer's command (``strategy.cli``) shares this. It names no algorithm: a trainer's own
+configs, checks, loaders and plan come from its class, the extra models it needs from its own
+module. Every setting is validated before the process group starts; ``Run``
+is a context manager that closes its strategy, even when training raises.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import importlib.util
-import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -17,11 +18,8 @@ from typing import Any, Sequence
 
 import torch
 from transformers import (
-    CONFIG_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
     AutoTokenizer,
 )
 
@@ -29,32 +27,25 @@ from strategy import dist
 from strategy.attention import attention_for, check_attention
 from strategy.checkpoint import CheckpointConfig, RunLayout, check_resumable
 from strategy.config import StrategyConfig, parse_configs
+from strategy.config.cli import shipped_file
 from strategy.deepspeed_strategy import DeepSpeedStrategy
 from strategy.errors import ConfigError
 from strategy.internals import set_attn_implementation
 from strategy.lora import apply_lora, check_targets
+from strategy.model import hf_config
 from strategy.optim import OptimConfig
 from strategy.parallel import check_sequence_parallel, check_tensor_parallel
 from strategy.quant import check_four_bit, four_bit_config, prepare_four_bit
-from strategy.trainers.algorithms.grpo import GRPOConfig, GRPOTrainer
-from strategy.trainers.algorithms.ppo import critic_source, critic_strategy
-from strategy.trainers.algorithms.preference import check_reference_source
-from strategy.trainers.algorithms.rewards import CallableReward, ModelReward, Rewards
-from strategy.trainers.algorithms.sft import TILE_VOCAB
-from strategy.trainers.config import (
-    DataConfig,
-    DPOConfig,
-    LoraConfig,
-    ModelConfig,
-    TrainConfig,
-)
+from strategy.trainers.config import DataConfig, LoraConfig, ModelConfig, TrainConfig
 from strategy.trainers.data import packing
 from strategy.trainers.data.files import source_exists
-from strategy.trainers.loop import StepPlan, plan_steps
+from strategy.trainers.loop import StepPlan, Trainer, plan_steps
 from strategy.trainers.loop.steps import sample_count
+from strategy.trainers.losses.lm import TILE_VOCAB
 
+# what every trainer parses; a trainer's own configs come from its ``config_classes``
 CONFIG_CLASSES = (StrategyConfig, OptimConfig, CheckpointConfig, ModelConfig, TrainConfig,
-                  DataConfig, LoraConfig, DPOConfig)
+                  DataConfig, LoraConfig)
 
 
 @dataclass
@@ -67,11 +58,10 @@ class Run:
         train: the ``TrainConfig``.
         data: the ``DataConfig``.
         lora: the ``LoraConfig``.
-        dpo: the ``DPOConfig``.
         tokenizer: the tokenizer (pad token set to eos when it had none).
         args: the parsed command-line namespace.
-        grpo: the ``GRPOConfig`` (None unless ``from_args(grpo=True)``).
-        configs: every parsed config, by class (a trainer's own ``config_classes`` included).
+        configs: every parsed config, by class (a trainer's own ``config_classes`` included:
+            ``run.config(cls)``).
     """
 
     strategy: DeepSpeedStrategy
@@ -79,25 +69,25 @@ class Run:
     train: TrainConfig
     data: DataConfig
     lora: LoraConfig
-    dpo: DPOConfig
     tokenizer: Any = None
     args: argparse.Namespace | None = None
-    grpo: GRPOConfig | None = None
     configs: dict = field(default_factory=dict)
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None,
-                  parser: argparse.ArgumentParser | None = None, grpo: bool = False,
-                  trainer: type | None = None) -> Run:
+                  parser: argparse.ArgumentParser | None = None,
+                  trainer: type | None = None, foreign: dict | None = None) -> Run:
         """Parse flags and YAML, check everything that can be checked without ranks (the
         trainer's own ``check_settings`` included), then start the strategy.
 
         Args:
             argv: the command line without the program name (None: ``sys.argv``).
             parser: a parser holding the script's own flags, extended with the configs'.
-            grpo: also parse and check ``GRPOConfig`` (the same as ``trainer=GRPOTrainer``).
             trainer: the trainer class the script runs: its ``config_classes`` are parsed too
                 and its ``check_settings`` runs before any process group starts.
+            foreign: ``{flag name: refusal line}`` for flags this trainer does not parse
+                (default ``foreign_flags(trainer)``: "--beta is not a flag of sft; dpo takes
+                it").
 
         Returns:
             The ``Run``, its strategy's process group started and its tokenizer loaded.
@@ -106,16 +96,50 @@ class Run:
             ConfigError: a setting is invalid (one line naming it and the fix).
         """
         dist.install_one_line_errors()  # a bad setting is one line on stderr, no traceback
+        by_type, namespace = cls.check_args(argv, parser, trainer, foreign)
+        strategy = DeepSpeedStrategy(by_type[StrategyConfig], by_type[OptimConfig],
+                                     by_type[CheckpointConfig])
+        strategy.setup_distributed()
+        run = cls(strategy, model_cfg=by_type[ModelConfig], train=by_type[TrainConfig],
+                  data=by_type[DataConfig], lora=by_type[LoraConfig], args=namespace,
+                  configs=by_type)
+        run.tokenizer = load_tokenizer(run.model_cfg)
+        return run
+
+    @staticmethod
+    def check_args(argv: Sequence[str] | None = None,
+                   parser: argparse.ArgumentParser | None = None, trainer: type | None = None,
+                   foreign: dict | None = None) -> tuple[dict, argparse.Namespace]:
+        """Parse flags and YAML and check every setting that needs no process group (``from_args``
+        without starting anything; ``strategy <trainer>`` runs it once before it starts ranks).
+
+        Args:
+            argv: the command line without the program name (None: ``sys.argv``).
+            parser: a parser holding the script's own flags, extended with the configs'.
+            trainer: the trainer class: its ``config_classes`` and ``check_settings``.
+            foreign: ``{flag name: refusal line}``, for refusing another trainer's flag.
+
+        Returns:
+            ``({config class: config}, namespace)``.
+
+        Raises:
+            ConfigError: a setting is invalid (one line naming it and the fix).
+        """
         argv = openrlhf_argv(list(sys.argv[1:] if argv is None else argv))
-        trainer = GRPOTrainer if grpo and trainer is None else trainer
+        foreign = foreign_flags(trainer) if foreign is None else foreign
         extra = tuple(getattr(trainer, "config_classes", ()))
-        configs, namespace = parse_configs(list(CONFIG_CLASSES + extra), argv, parser)
+        hidden = frozenset(shared_flags(None) - shared_flags(trainer))  # other trainers' fields
+        configs, namespace = parse_configs(list(CONFIG_CLASSES + extra), argv, parser, foreign,
+                                           hidden)
         by_type = {type(config): config for config in configs}
+        model = by_type[ModelConfig]
+        if model.model_config:  # a shipped config's model file, from any directory
+            by_type[ModelConfig] = dataclasses.replace(
+                model, model_config=shipped_file(model.model_config))
         strategy_cfg, ckpt_cfg = by_type[StrategyConfig], by_type[CheckpointConfig]
         model_cfg, train_cfg, data_cfg = by_type[ModelConfig], by_type[TrainConfig], \
             by_type[DataConfig]
         lora_cfg = by_type[LoraConfig]
-        grpo_cfg = next((c for c in configs if isinstance(c, GRPOConfig)), None)  # or PPO's
         check_paths(model_cfg, train_cfg, data_cfg, ckpt_cfg)
         dist.from_slurm()  # the ranks srun started
         strategy_cfg.validate_world(dist.get_world_size())  # from the launcher's environment
@@ -129,12 +153,7 @@ class Run:
             check_resumable(ckpt_cfg.ckpt_path, RunLayout(
                 sequence_parallel_size=strategy_cfg.sequence_parallel_size,
                 tensor_parallel_size=strategy_cfg.tensor_parallel_size))
-        strategy = DeepSpeedStrategy(strategy_cfg, by_type[OptimConfig], ckpt_cfg)
-        strategy.setup_distributed()
-        run = cls(strategy, model_cfg=model_cfg, train=train_cfg, data=data_cfg, lora=lora_cfg,
-                  dpo=by_type[DPOConfig], args=namespace, grpo=grpo_cfg, configs=by_type)
-        run.tokenizer = load_tokenizer(model_cfg)
-        return run
+        return by_type, namespace
 
     def __enter__(self) -> Run:
         return self
@@ -159,7 +178,7 @@ class Run:
         """
         pretrain = self.model_cfg.pretrain
         attention = self.attention()
-        kwargs.update(self._quantization())
+        kwargs.update(self.quantization())
         if self.train.aux_loss_coef > 0:  # the router loss returned apart; SFTTrainer adds it
             kwargs.update(output_router_logits=True, router_aux_loss_coef=0.0)
         if pretrain:
@@ -195,28 +214,6 @@ class Run:
                               "config_classes to Run.from_args(trainer=...)")
         return self.configs[cls]
 
-    def reference(self, model):
-        """The frozen reference of DPO, KTO and the on-policy KL: ``--ref_pretrain``, else
-        ``--pretrain`` loaded again (in 4-bit too with ``--load_in_4bit``); from
-        ``--model_config``, a copy of ``model``'s fresh weights (ZeRO 0-2, no LoRA).
-
-        Args:
-            model: the policy (from ``Run.model``), copied when there is no checkpoint to load.
-
-        Returns:
-            The reference model, frozen (the strategy's ``prepare`` makes it an eval engine).
-
-        Raises:
-            ConfigError: from ``--model_config`` under ZeRO-3 or LoRA.
-        """
-        source = self.model_cfg.ref_pretrain or self.model_cfg.pretrain
-        if source:  # QLoRA: the same 4-bit base
-            return self.strategy.from_pretrained(source, frozen=True, **self.attention(),
-                                                 **self._quantization())
-        check_reference_source({ModelConfig: self.model_cfg, StrategyConfig: self.strategy.config,
-                                LoraConfig: self.lora})
-        return copy.deepcopy(model).requires_grad_(False)
-
     def attention(self) -> dict:
         """``from_pretrained``'s attention for this run's data: ``--attn_implementation``, with
         sdpa's per-sample variant (``sdpa_varlen``) for packed rows.
@@ -224,69 +221,29 @@ class Run:
         Returns:
             ``{"attn_implementation": name}``, to pass to ``from_pretrained``.
         """
-        name = attention_for(self.model_cfg.attn_implementation, self.data.packing_samples)
+        name = attention_for(self.model_cfg.attn_implementation, self.data.packed)
         return {"attn_implementation": name}
 
-    def _quantization(self) -> dict:
-        """``from_pretrained``'s 4-bit settings under ``--load_in_4bit`` (else none)."""
+    def quantization(self) -> dict:
+        """``from_pretrained``'s 4-bit settings under ``--load_in_4bit`` (else none).
+
+        Returns:
+            ``{"quantization_config": ...}``, or ``{}``.
+        """
         if not self.lora.load_in_4bit:
             return {}
         return {"quantization_config": four_bit_config(self.strategy.dtype)}
 
-    def critic(self):
-        """PPO's value model: ``AutoModelForTokenClassification`` with one label and no dropout
-        or bias on its head (OpenRLHF's critic head), from ``critic_source`` (a reward model's
-        ``score`` head loads as it is; a causal LM gets a new one), or fresh from
-        ``--model_config``; partitioned at construction when its own stage
-        (``--critic_zero_stage``) is 3.
-
-        Returns:
-            The critic (not yet an engine: ``PPOTrainer`` prepares it).
-        """
-        source = critic_source(self.grpo, self.model_cfg)
-        if source is None:
-            config = hf_config(self.model_cfg.model_config, self.tokenizer, num_labels=1)
-        else:
-            config = AutoConfig.from_pretrained(source, num_labels=1)
-        config.classifier_dropout, config.token_classification_bias = 0.0, False
-        kwargs = {} if source is None else {"config": config}
-        model = critic_strategy(self.strategy, self.grpo).from_pretrained(
-            source or config, AutoModelForTokenClassification, **self.attention(), **kwargs)
-        if getattr(model.config, "pad_token_id", None) is None:
-            model.config.pad_token_id = self.tokenizer.pad_token_id
-        return model
-
-    def reward(self):
-        """The GRPO reward: the weighted sum (``reward_weights``) of the ``reward_fn`` callables
-        and the reward model (an eval engine), each logged on its own.
-
-        Returns:
-            A ``Rewards``: ``reward(prompts, completions, rows) -> floats``.
-        """
-        grpo, parts = self.grpo, []
-        for name, weight in zip(grpo.reward_names(), grpo.weights()):
-            if name == "model" and grpo.reward_pretrain:
-                model = self.strategy.from_pretrained(grpo.reward_pretrain,
-                                                      AutoModelForSequenceClassification,
-                                                      frozen=True)
-                tokenizer = AutoTokenizer.from_pretrained(grpo.reward_pretrain)
-                scorer = ModelReward(self.strategy.prepare(model), tokenizer, self.data.max_len)
-            else:
-                scorer = CallableReward(name, grpo.reward_timeout)
-                name = scorer.name
-            parts.append((name, scorer, weight))
-        return Rewards(parts)
-
     def loaders(self, spec: Any) -> tuple[Any, Any]:
-        """(train, held-out) loaders of the data ``spec`` describes (a trainer's ``data``).
+        """(train, held-out) loaders of the data ``spec`` describes (a ``DataSpec``).
 
         Args:
-            spec: a ``DataSpec`` (or ``PromptSpec``), e.g. ``SFTTrainer.data``.
+            spec: a ``DataSpec``, e.g. ``SFTTrainer.data``.
 
         Returns:
             The training loader and the held-out loader (None without ``--eval_dataset``).
         """
-        return spec.loaders(self)
+        return spec.loaders(self.strategy, self.tokenizer, self.data)
 
     def trainer(self, cls: type, model, **kwargs: Any):
         """``cls`` (a Trainer subclass) wired with the loaders of the data it declares
@@ -295,12 +252,13 @@ class Run:
         Args:
             cls: the trainer class.
             model: the model to train (from ``Run.model``).
-            **kwargs: the trainer's own arguments (``ref_model``, ``dpo``, ``grpo``...).
+            **kwargs: the trainer's own arguments (``ref_model``, ``dpo``, ``grpo``...), also
+                handed to its ``loaders`` and ``plan``.
 
         Returns:
             The trainer, ready to ``fit()``.
         """
-        train, held = self.loaders(cls.data)
+        train, held = cls.loaders(self.strategy, self.tokenizer, self.data, **kwargs)
         plan = cls.plan(self.strategy, sample_count(train), self.train, **kwargs)
         optimizer, scheduler = self.optimizer_and_scheduler(model, plan=plan)
         return cls(self.strategy, model, optimizer=optimizer, scheduler=scheduler,
@@ -327,6 +285,76 @@ class Run:
         scheduler = self.strategy.create_scheduler(optimizer,
                                                    num_training_steps=max(plan.total_steps, 1))
         return optimizer, scheduler
+
+
+def commands() -> dict[str, type]:
+    """The trainers with an installed command (``Trainer.command``), by command: the built-in
+    ones and any imported subclass that names one.
+
+    Returns:
+        ``{command: trainer class}``, the first class of each command.
+    """
+    found: dict[str, type] = {}
+    pending = list(Trainer.__subclasses__())
+    while pending:
+        cls = pending.pop(0)
+        if cls.command and cls.command not in found:
+            found[cls.command] = cls
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+def shared_flags(trainer: type | None) -> set[str]:
+    """The shared configs' fields ``trainer`` takes: all but those another trainer's alone
+    (``doc(trainers=...)`` not naming its command); a trainer with no command takes all.
+
+    Args:
+        trainer: a ``Trainer`` subclass (None: every shared field).
+
+    Returns:
+        The flag names, without ``--``.
+    """
+    command = getattr(trainer, "command", None)
+    return {f.name for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)
+            if command is None or f.metadata.get("trainers") in (None, ())
+            or command in f.metadata["trainers"]}
+
+
+def flag_names(trainer: type | None) -> set[str]:
+    """The flags ``trainer``'s command parses: its shared ones and its own configs' fields.
+
+    Args:
+        trainer: a ``Trainer`` subclass (None: the shared configs only).
+
+    Returns:
+        The flag names, without ``--``.
+    """
+    own = tuple(getattr(trainer, "config_classes", ()))
+    return shared_flags(trainer) | {f.name for cls in own for f in dataclasses.fields(cls)}
+
+
+def foreign_flags(trainer: type | None) -> dict[str, str]:
+    """``{flag: refusal line}`` for each flag another command's trainer takes and ``trainer``
+    does not (``--beta is not a flag of sft; dpo takes it``).
+
+    Args:
+        trainer: the trainer being parsed for (None: a script of the shared configs only).
+
+    Returns:
+        The refusals by flag name.
+    """
+    mine = flag_names(trainer)
+    name = getattr(trainer, "command", None) or getattr(trainer, "__name__", "this script")
+    takers: dict[str, list[str]] = {}
+    for command, cls in sorted(commands().items()):
+        for flag in sorted(flag_names(cls) - mine):
+            takers.setdefault(flag, []).append(command)
+    return {flag: f"--{flag} is not a flag of {name}; {_join(who)} "
+                  f"{'takes' if len(who) == 1 else 'take'} it" for flag, who in takers.items()}
+
+
+def _join(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def openrlhf_argv(argv: list[str]) -> list[str]:
@@ -400,14 +428,14 @@ def check_model(model: ModelConfig, lora: LoraConfig, data_cfg: DataConfig,
     else:
         config = hf_config(model.model_config)
     set_attn_implementation(config, attention_for(model.attn_implementation,
-                                                  data_cfg.packing_samples))
+                                                  data_cfg.packed))
     if lora.load_in_4bit:
         check_four_bit(model.pretrain, lora.lora_rank, strategy.param_offload,
                        strategy.tensor_parallel_size)
     if lora.lora_rank and lora.target_modules.strip() != "all-linear":
         with torch.device("meta"):
             check_targets(AutoModelForCausalLM.from_config(config), lora.target_modules)
-    if data_cfg.packing_samples:
+    if data_cfg.packed:
         packing.check_packing_family(config.model_type)
     if train is not None and train.aux_loss_coef > 0:
         check_router_loss(config, train)
@@ -440,19 +468,3 @@ def load_tokenizer(model: ModelConfig):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def hf_config(path: str, tokenizer: Any = None, **kwargs: Any):
-    """An HF config from a JSON file (``model_type`` picks the class), special ids from the
-    tokenizer."""
-    with open(path) as fh:
-        values = json.load(fh)
-    kind = values.pop("model_type", None)
-    if kind not in CONFIG_MAPPING:
-        raise ConfigError(f"model_config={path!r} is invalid: model_type {kind!r} unknown; use "
-                          "e.g. llama, gpt2, qwen2")
-    if tokenizer is not None:
-        values.update(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    values.update(kwargs)
-    return CONFIG_MAPPING[kind](**values)

@@ -38,11 +38,11 @@ def kill_in_save(rank: int, fault_rank: int, fault_step: int) -> None:
 
     publish = save.publish
 
-    def killing_publish(save_dir, staged, tag, meta):
+    def killing_publish(save_dir, staged, tag, meta, *rest):
         if rank == fault_rank and meta["global_step"] == fault_step:
             print(f"KILLED rank {rank} before publishing {tag}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        return publish(save_dir, staged, tag, meta)
+        return publish(save_dir, staged, tag, meta, *rest)
 
     save.publish = killing_publish
 

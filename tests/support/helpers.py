@@ -77,12 +77,20 @@ def script_outcome(path: str, flags: list[str]) -> str:
 
 
 def load_example_module(name: str) -> dict:
-    """The globals of ``examples/<name>.py``."""
+    """The globals of a trainer's command (``train_sft``: ``strategy.cli.train_sft``), of the
+    default run (``train_default``: ``strategy.demos.train_default``), or of
+    ``examples/<name>.py``."""
+    import importlib
+    import importlib.util
+
+    for package in ("strategy.cli", "strategy.demos"):
+        if importlib.util.find_spec(f"{package}.{name}") is not None:
+            return vars(importlib.import_module(f"{package}.{name}"))
     return load_script(f"examples/{name}.py", run_name=f"example_{name}")
 
 
 def load_example(name: str):
-    """The ``main`` of ``examples/<name>.py``."""
+    """The ``main`` of ``load_example_module(name)``."""
     return load_example_module(name)["main"]
 
 

@@ -43,6 +43,8 @@ class DPOTrainer(Trainer):
     """
 
     data = PAIRS
+    command = "dpo"
+    config_classes = (DPOConfig,)
 
     @classmethod
     def check_settings(cls, configs: dict, world_size: int) -> None:

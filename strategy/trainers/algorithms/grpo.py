@@ -133,6 +133,7 @@ class GRPOTrainer(Trainer):
     """
 
     data = PROMPTS
+    command = "grpo"
     resume_by_samples = False  # a step consumes completions, not loader samples
     config_classes = (GRPOConfig,)
 
@@ -152,6 +153,9 @@ class GRPOTrainer(Trainer):
         refuse_router_loss(configs, cls.__name__)
         if configs[DataConfig].streaming:
             fail("streaming", True, "GRPO's prompts are read whole; drop --streaming")
+        if configs[DataConfig].pack_dataset:
+            fail("pack_dataset", True, "prompts are not packed; --packing_samples forwards the "
+                 "update's micro-batches padding-free")
         check_grpo(configs[StrategyConfig], configs[TrainConfig], grpo,
                    configs[DataConfig].max_len, world_size)
         for spec in grpo.reward_names():
@@ -174,7 +178,8 @@ class GRPOTrainer(Trainer):
         self.grpo, self.reward, self.answer_key = grpo, reward, answer_key
         self.packing = packing
         shared = grpo.shared_prompt_forward  # None: where a forward call does not gather weights
-        self.share_prompts = strategy.config.zero_stage < 3 if shared is None else shared
+        self.share_prompts = not strategy.config.partitions_parameters if shared is None \
+            else shared
         self.ref_model = strategy.prepare(ref_model) if ref_model is not None else None
         self.per_rank = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size)
         self._old_logps: dict[int, torch.Tensor] = {}  # micro-batch -> first update's log-probs
@@ -183,6 +188,22 @@ class GRPOTrainer(Trainer):
         self._synced_at: int | None = None  # the global step the rollout engine's weights are of
 
     # ------------------------------------------------------------ plan and resume
+    @classmethod
+    def loaders(cls, strategy, tokenizer: Any, data: Any, grpo: GRPOConfig | None = None,
+                **_: Any) -> tuple[Any, Any]:
+        """Prompt loaders: each rank's share of a rollout's prompts per batch.
+
+        Args:
+            strategy: the started strategy.
+            tokenizer: turns text into ids.
+            data: the ``DataConfig``.
+            grpo: the ``GRPOConfig`` (group size, completion length).
+
+        Returns:
+            The training and held-out prompt loaders.
+        """
+        return cls.data.loaders(strategy, tokenizer, data, grpo.group_size, grpo.max_new_tokens)
+
     @classmethod
     def plan(cls, strategy, num_samples: int, cfg, grpo: GRPOConfig | None = None,
              **_: Any) -> StepPlan:

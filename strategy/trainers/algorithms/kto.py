@@ -21,7 +21,6 @@ from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.trainers.algorithms.preference import (
     check_reference_source,
-    refuse_dpo_flags,
     sequence_logps,
 )
 from strategy.trainers.algorithms.sft import refuse_router_loss
@@ -53,6 +52,7 @@ class KTOTrainer(Trainer):
     """
 
     data = UNPAIRED
+    command = "kto"
     config_classes = (KTOConfig,)
 
     @classmethod
@@ -64,7 +64,7 @@ class KTOTrainer(Trainer):
             world_size: ranks the launcher started.
 
         Raises:
-            ConfigError: sequence parallelism, packing or streaming; DPO's flags; a reference it
+            ConfigError: sequence parallelism, packing or streaming; a reference it
                 cannot build.
             DataError: the data's first row has no label (nor a preference pair).
         """
@@ -75,12 +75,10 @@ class KTOTrainer(Trainer):
             fail("sequence_parallel_size", sequence, "KTO runs without sequence parallelism; "
                  "set 1")
         data = configs[DataConfig]
-        for name in ("packing_samples", "streaming"):
+        for name in ("packing_samples", "pack_dataset", "streaming"):
             if getattr(data, name):
                 fail(name, True, "KTO's mismatched KL pairs need the whole, unpacked dataset; "
                      "drop the flag")
-        refuse_dpo_flags(configs, cls.__name__, "--kto_beta, --desirable_weight, "
-                         "--undesirable_weight")
         check_first_row(data)
 
     def __init__(self, strategy, model, ref_model, optimizer, scheduler, train_dataloader,

@@ -26,11 +26,12 @@ import json
 from typing import Any
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForTokenClassification
 from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
 
 from strategy.config import StrategyConfig
 from strategy.errors import ConfigError, fail
+from strategy.model import hf_config
 from strategy.trainers.algorithms.grpo import GRPOTrainer
 from strategy.trainers.config import ModelConfig, PPOConfig
 from strategy.trainers.losses import gae, token_values, value_token_losses
@@ -49,6 +50,33 @@ def critic_strategy(strategy, ppo: PPOConfig):
     ``derive`` of it with ``--critic_zero_stage`` / ``--critic_adam_offload``."""
     settings = ppo.critic_settings()
     return strategy.derive(**settings) if settings else strategy
+
+
+def build_critic(run: Any, ppo: PPOConfig):
+    """PPO's value model: ``AutoModelForTokenClassification`` with one label and no dropout or
+    bias on its head (OpenRLHF's critic head), from ``critic_source`` (a reward model's ``score``
+    head loads as it is; a causal LM gets a new one), or fresh from ``--model_config``;
+    partitioned at construction when its own stage (``--critic_zero_stage``) is 3.
+
+    Args:
+        run: the ``Run`` (strategy, model config, tokenizer, attention settings).
+        ppo: the ``PPOConfig``.
+
+    Returns:
+        The critic (not yet an engine: ``PPOTrainer`` prepares it).
+    """
+    source = critic_source(ppo, run.model_cfg)
+    if source is None:
+        config = hf_config(run.model_cfg.model_config, run.tokenizer, num_labels=1)
+    else:
+        config = AutoConfig.from_pretrained(source, num_labels=1)
+    config.classifier_dropout, config.token_classification_bias = 0.0, False
+    kwargs = {} if source is None else {"config": config}
+    model = critic_strategy(run.strategy, ppo).from_pretrained(
+        source or config, AutoModelForTokenClassification, **run.attention(), **kwargs)
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = run.tokenizer.pad_token_id
+    return model
 
 
 def check_critic(ppo: PPOConfig, model: ModelConfig, run: StrategyConfig) -> None:
@@ -119,6 +147,7 @@ class PPOTrainer(GRPOTrainer):
     """
 
     config_classes = (PPOConfig,)
+    command = "ppo"
 
     @classmethod
     def check_settings(cls, configs: dict, world_size: int) -> None:

@@ -10,20 +10,23 @@ an NLL term is a sum over this rank's own tokens and needs no such care.
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch
 
 from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.log import get_logger
 from strategy.trainers.algorithms.sft import refuse_router_loss
-from strategy.trainers.config import DPOConfig, LoraConfig, ModelConfig, ORPOConfig, SimPOConfig
+from strategy.trainers.config import LoraConfig, ModelConfig, ORPOConfig, SimPOConfig
 from strategy.trainers.data import PAIRS
 from strategy.trainers.data.packing import pair_count, per_sample_sums
 from strategy.trainers.loop import Trainer
 from strategy.trainers.losses import IGNORE, orpo_losses, simpo_losses, token_logps
 
 __all__ = ["ORPOTrainer", "ReferenceFreeTrainer", "SimPOTrainer", "pair_loss_counts",
-           "sequence_logps", "sequence_logp_sums"]
+           "reference_model", "sequence_logps", "sequence_logp_sums"]
 
 log = get_logger("train")
 
@@ -80,25 +83,32 @@ def pair_loss_counts(batch: dict) -> dict[str, int]:
     return {"pairs": pairs, "chosen_tokens": int(tokens.sum())}
 
 
-def refuse_dpo_flags(configs: dict, trainer: str, flags: str) -> None:
-    """A preference trainer other than DPO refuses DPO's loss flags rather than ignore them.
+def reference_model(run: Any, model):
+    """The frozen reference of DPO, KTO and the on-policy KL: ``--ref_pretrain``, else
+    ``--pretrain`` loaded again (in 4-bit too with ``--load_in_4bit``); from ``--model_config``, a
+    copy of ``model``'s fresh weights (ZeRO 0-2, no LoRA).
 
     Args:
-        configs: the parsed configs by class.
-        trainer: the trainer's name, for the message.
-        flags: the trainer's own flags, named as the fix.
+        run: the ``Run`` (its strategy, model config and attention settings).
+        model: the policy (from ``Run.model``), copied when there is no checkpoint to load.
+
+    Returns:
+        The reference model, frozen (the strategy's ``prepare`` makes it an eval engine).
 
     Raises:
-        ConfigError: a DPO setting differs from its default.
+        ConfigError: from ``--model_config`` under ZeRO-3 or LoRA.
     """
-    dpo, default = configs[DPOConfig], DPOConfig()
-    for name in ("beta", "label_smoothing", "nll_loss_coef", "loss_type"):
-        if getattr(dpo, name) != getattr(default, name):
-            fail(name, getattr(dpo, name), f"it is a DPO setting; {trainer} takes {flags}")
+    source = run.model_cfg.ref_pretrain or run.model_cfg.pretrain
+    if source:  # QLoRA: the same 4-bit base
+        return run.strategy.from_pretrained(source, frozen=True, **run.attention(),
+                                            **run.quantization())
+    check_reference_source({ModelConfig: run.model_cfg, StrategyConfig: run.strategy.config,
+                            LoraConfig: run.lora})
+    return copy.deepcopy(model).requires_grad_(False)
 
 
 def check_reference_source(configs: dict) -> None:
-    """A frozen reference needs weights to load, or fresh ones it can copy (``Run.reference``).
+    """A frozen reference needs weights to load, or fresh ones it can copy (``reference_model``).
 
     Args:
         configs: the parsed configs by class.
@@ -109,17 +119,16 @@ def check_reference_source(configs: dict) -> None:
     model = configs[ModelConfig]
     if model.ref_pretrain or model.pretrain:
         return
-    if configs[StrategyConfig].zero_stage == 3 or configs[LoraConfig].lora_rank:
+    if configs[StrategyConfig].partitions_parameters or configs[LoraConfig].lora_rank:
         fail("model_config", model.model_config, "a reference copied from fresh weights needs "
              "ZeRO 0-2 without LoRA; pass --pretrain MODEL_DIR (or --ref_pretrain) instead")
 
 
-def refuse_reference(configs: dict, trainer: str, flags: str) -> None:
-    """A reference-free trainer refuses a reference model and DPO's flags."""
+def refuse_reference(configs: dict, trainer: str) -> None:
+    """A reference-free trainer refuses a reference model (DPO's flags it does not parse)."""
     ref = configs[ModelConfig].ref_pretrain
     if ref:
         fail("ref_pretrain", ref, f"{trainer} is reference-free (no reference model); drop it")
-    refuse_dpo_flags(configs, trainer, flags)
 
 
 class ReferenceFreeTrainer(Trainer):
@@ -136,12 +145,11 @@ class ReferenceFreeTrainer(Trainer):
 
     data = PAIRS
     nll_coef = 0.0  # weight of the chosen responses' NLL (mean over their tokens)
-    flags = ""  # the trainer's own flags, named when DPO's are refused
 
     @classmethod
     def check_settings(cls, configs: dict, world_size: int) -> None:
         refuse_router_loss(configs, cls.__name__)
-        refuse_reference(configs, cls.__name__, cls.flags)
+        refuse_reference(configs, cls.__name__)
 
     def __init__(self, strategy, model, *args, **kwargs) -> None:
         super().__init__(strategy, model, *args, **kwargs)
@@ -193,9 +201,9 @@ class ORPOTrainer(ReferenceFreeTrainer):
         **kwargs: ``Trainer``'s, by name.
     """
 
+    command = "orpo"
     config_classes = (ORPOConfig,)
     nll_coef = 1.0
-    flags = "--orpo_lambda"
 
     def __init__(self, strategy, model, *args, orpo: ORPOConfig | None = None, **kwargs) -> None:
         super().__init__(strategy, model, *args, **kwargs)
@@ -218,8 +226,8 @@ class SimPOTrainer(ReferenceFreeTrainer):
         **kwargs: ``Trainer``'s, by name.
     """
 
+    command = "simpo"
     config_classes = (SimPOConfig,)
-    flags = "--simpo_beta, --simpo_gamma, --simpo_label_smoothing, --simpo_nll_coef"
 
     def __init__(self, strategy, model, *args, simpo: SimPOConfig | None = None,
                  **kwargs) -> None:

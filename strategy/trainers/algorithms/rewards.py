@@ -31,6 +31,7 @@ import threading
 from typing import Any, Callable
 
 import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from strategy.errors import DataError, fail
 from strategy.trainers.losses import sequence_scores
@@ -220,3 +221,28 @@ class ModelReward:
                  "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x))
                                                  for x in ids], device=device)}
         return [float(score) for score in sequence_scores(self.engine.module, batch).cpu()]
+
+
+def build_rewards(run: Any, grpo: Any) -> Rewards:
+    """The on-policy reward: the weighted sum (``reward_weights``) of the ``reward_fn`` callables
+    and the reward model (an eval engine), each logged on its own.
+
+    Args:
+        run: the ``Run`` (its strategy and data config).
+        grpo: the ``GRPOConfig`` (or PPO's) naming the rewards.
+
+    Returns:
+        A ``Rewards``: ``reward(prompts, completions, rows) -> floats``.
+    """
+    parts = []
+    for name, weight in zip(grpo.reward_names(), grpo.weights()):
+        if name == "model" and grpo.reward_pretrain:
+            model = run.strategy.from_pretrained(grpo.reward_pretrain,
+                                                 AutoModelForSequenceClassification, frozen=True)
+            tokenizer = AutoTokenizer.from_pretrained(grpo.reward_pretrain)
+            scorer = ModelReward(run.strategy.prepare(model), tokenizer, run.data.max_len)
+        else:
+            scorer = CallableReward(name, grpo.reward_timeout)
+            name = scorer.name
+        parts.append((name, scorer, weight))
+    return Rewards(parts)

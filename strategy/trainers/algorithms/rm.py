@@ -38,6 +38,7 @@ class RewardModelTrainer(Trainer):
     """
 
     data = PAIRS
+    command = "rm"
     config_classes = (RewardConfig,)  # --loss, as OpenRLHF's RM spells it
 
     @classmethod

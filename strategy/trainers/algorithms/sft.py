@@ -10,11 +10,9 @@ from strategy.trainers.config import TrainConfig
 from strategy.trainers.data import SFT
 from strategy.trainers.loop import Trainer
 from strategy.trainers.losses import IGNORE, forward_inputs, response_loss, tiled_loss_sum
+from strategy.trainers.losses.lm import TILE_VOCAB
 
 __all__ = ["SFTTrainer", "response_loss", "response_tokens"]
-
-TILE_VOCAB = 65536  # automatic tiling from this vocabulary size up (--tiled_logits_loss unset)
-
 
 def response_tokens(labels: torch.Tensor) -> int:
     """Tokens a causal LM is scored on: labels after the first position that are not -100."""
@@ -34,6 +32,7 @@ class SFTTrainer(Trainer):
     packed)."""
 
     data = SFT
+    command = "sft"
     _router_loss = None  # the MoE router loss of the last forward (with --aux_loss_coef)
 
     def loss_counts(self, batch: dict) -> dict[str, int]:

@@ -68,6 +68,26 @@ def pack_pairs(samples: list[dict], max_len: int) -> list[dict]:
     return _pack(samples, 2 * max_len, keys)
 
 
+def collate_micro_batch(pad_id: int, pairs: bool = False):
+    """``--packing_samples`` (OpenRLHF's): a micro-batch of samples packed into one padding-free
+    row, collated as ``collate_packed`` (pairs: ``collate_packed_pairs``) collates packed rows.
+
+    Args:
+        pad_id: the pad token id.
+        pairs: the samples are preference pairs.
+
+    Returns:
+        The ``collate_fn``.
+    """
+    keys = (("chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels") if pairs
+            else ("input_ids", "labels"))
+    rows = (collate_packed_pairs if pairs else collate_packed)(pad_id)
+
+    def collate(batch: list[dict]) -> dict:
+        return rows(_pack(batch, float("inf"), keys))
+    return collate
+
+
 def _pad(rows: list[list[int]], value: int, width: int) -> torch.Tensor:
     return torch.tensor([row + [value] * (width - len(row)) for row in rows])
 

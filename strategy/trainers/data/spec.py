@@ -1,5 +1,6 @@
 """What a trainer takes: a trainer class names its data with a ``data`` class attribute, and
-``Run`` builds the (train, held-out) loaders from it. ``SFT`` samples, preference ``PAIRS``,
+the (train, held-out) loaders are built from it with explicit values (the strategy, tokenizer and
+``DataConfig``). ``SFT`` samples, preference ``PAIRS``,
 KTO's ``UNPAIRED`` completions and online-RL ``PROMPTS`` are the built-in kinds; a trainer of new
 data declares a ``DataSpec`` of its own loader and collator.
 """
@@ -7,6 +8,7 @@ data declares a ``DataSpec`` of its own loader and collator.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 from torch.utils.data import DataLoader
@@ -26,8 +28,10 @@ class DataSpec:
     Attributes:
         load: ``load(path, tokenizer, data_config, max_samples) -> samples``.
         collate: ``collate(pad_id) -> collate_fn`` of plain batches.
-        pack: ``pack(samples, max_len) -> rows`` for ``--packing_samples`` (None: no packing).
+        pack: ``pack(samples, max_len) -> rows`` for ``--pack_dataset`` (None: no packing).
         collate_packed: ``collate_packed(pad_id) -> collate_fn`` of packed rows.
+        collate_micro: ``collate_micro(pad_id) -> collate_fn`` packing a micro-batch of samples
+            into one padding-free row (``--packing_samples``; None: no packing).
         parts: ``parts(tokenizer, cfg) -> make(row, where)`` for ``--streaming`` (None: the
             data cannot be streamed).
         assemble: one sample from ``make``'s parts (with ``parts``).
@@ -37,12 +41,13 @@ class DataSpec:
     collate: Collator
     pack: Callable[[list, int], list] | None = None
     collate_packed: Collator | None = None
+    collate_micro: Collator | None = None
     parts: Callable | None = None
     assemble: Callable | None = None
 
     def samples(self, path: str, tokenizer: Any, cfg: Any, max_samples: int = -1,
                 **source: Any) -> list:
-        """The samples of ``path`` (packed rows when ``cfg.packing_samples``).
+        """The samples of ``path`` (packed rows when ``cfg.pack_dataset``).
 
         Args:
             path: what ``files.read_rows`` reads (files, folders, Hub ids, comma-separated).
@@ -58,30 +63,40 @@ class DataSpec:
             ConfigError: packing asked of data that cannot be packed.
         """
         rows = self.load(path, tokenizer, cfg, max_samples, **source)
-        if not cfg.packing_samples:
+        if not cfg.pack_dataset:
             return rows
         if self.pack is None:
-            fail("packing_samples", True, "this trainer's data cannot be packed; drop the flag")
+            fail("pack_dataset", True, "this trainer's data cannot be packed; drop the flag")
         return self.pack(rows, cfg.max_len)
 
-    def collate_fn(self, pad_id: int, packed: bool) -> Callable:
-        """The collate function for plain or packed rows.
+    def collate_fn(self, pad_id: int, cfg: Any) -> Callable:
+        """The collate function: plain samples, the dataset's packed rows (``--pack_dataset``)
+        or a micro-batch packed into one row (``--packing_samples``).
 
         Args:
             pad_id: the tokenizer's pad token id.
-            packed: whether the rows are packed (``collate_packed``) or plain (``collate``).
+            cfg: the ``DataConfig``.
 
         Returns:
             The ``collate_fn`` for the loaders.
-        """
-        return (self.collate_packed if packed else self.collate)(pad_id)
 
-    def loaders(self, run: Any) -> tuple[Any, Any]:
-        """(train, held-out) loaders for ``run`` (a ``Run``): shuffled, resumable training shards;
-        held-out shards that count every sample once.
+        Raises:
+            ConfigError: ``--packing_samples`` for data that cannot be packed.
+        """
+        if cfg.packing_samples and self.collate_micro is None:
+            fail("packing_samples", True, "this trainer's data cannot be packed; drop the flag")
+        if cfg.packing_samples:
+            return self.collate_micro(pad_id)
+        return (self.collate_packed if cfg.pack_dataset else self.collate)(pad_id)
+
+    def loaders(self, strategy: Any, tokenizer: Any, cfg: Any) -> tuple[Any, Any]:
+        """(train, held-out) loaders: shuffled, resumable training shards; held-out shards that
+        count every sample once.
 
         Args:
-            run: the ``Run`` holding the strategy, tokenizer and data config.
+            strategy: the started ``DeepSpeedStrategy`` (batch sizes, data-parallel shards).
+            tokenizer: turns text into ids (its pad id pads batches).
+            cfg: the ``DataConfig``.
 
         Returns:
             The training loader and the held-out loader (None without ``--eval_dataset``).
@@ -89,13 +104,12 @@ class DataSpec:
         Raises:
             ConfigError: fewer training samples than one optimizer step takes.
         """
-        cfg, strategy = run.data, run.strategy
         if cfg.streaming:
-            train = self.stream(run)
+            train = self.stream(strategy, tokenizer, cfg)
         else:
-            train = self.samples(cfg.dataset, run.tokenizer, cfg, cfg.max_samples,
+            train = self.samples(cfg.dataset, tokenizer, cfg, cfg.max_samples,
                                  **train_source(cfg))
-        collate_fn = self.collate_fn(run.tokenizer.pad_token_id, cfg.packing_samples)
+        collate_fn = self.collate_fn(tokenizer.pad_token_id, cfg)
         batch = strategy.config.train_batch_size
         if not cfg.streaming and len(train) < batch:
             raise ConfigError(f"train_batch_size={batch} is invalid: larger than the {len(train)} "
@@ -108,17 +122,18 @@ class DataSpec:
                                                      collate_fn=collate_fn)
         if not cfg.eval_dataset:
             return train_loader, None
-        held = self.samples(cfg.eval_dataset, run.tokenizer, cfg,  # rows as training sees them
+        held = self.samples(cfg.eval_dataset, tokenizer, cfg,  # rows as training sees them
                             split=cfg.eval_split)
         return train_loader, strategy.setup_eval_dataloader(
             held, strategy.config.micro_eval_batch_size, collate_fn=collate_fn)
 
-
-    def stream(self, run: Any) -> TokenStream:
+    def stream(self, strategy: Any, tokenizer: Any, cfg: Any) -> TokenStream:
         """``--dataset`` streamed: this data-parallel rank's samples, tokenized as they come.
 
         Args:
-            run: the ``Run`` (strategy, tokenizer, data config).
+            strategy: the started ``DeepSpeedStrategy`` (data-parallel rank and size, seed).
+            tokenizer: turns text into ids.
+            cfg: the ``DataConfig``.
 
         Returns:
             A ``TokenStream``.
@@ -128,9 +143,8 @@ class DataSpec:
         """
         if self.parts is None:
             fail("streaming", True, "this trainer's data cannot be streamed; drop the flag")
-        cfg, strategy = run.data, run.strategy
         rows = open_stream(cfg.dataset, cfg.dataset_split, cfg)
-        return TokenStream(rows, self.parts(run.tokenizer, cfg), self.assemble, cfg, cfg.dataset,
+        return TokenStream(rows, self.parts(tokenizer, cfg), self.assemble, cfg, cfg.dataset,
                            strategy.data_parallel_rank, strategy.data_parallel_size,
                            strategy.config.seed)
 
@@ -159,14 +173,19 @@ def prompts_per_rank(strategy_config: Any, world_size: int, group_size: int) -> 
 
 @dataclass(frozen=True)
 class PromptSpec:
-    """Prompts for online RL: each rank's share of a rollout's prompts per batch (from
-    ``run.grpo``'s group size), left-padded; held-out prompts in order."""
+    """Prompts for online RL: each rank's share of a rollout's prompts per batch (from the group
+    size), left-padded; held-out prompts in order."""
 
-    def loaders(self, run: Any) -> tuple[Any, Any]:
-        """(train, held-out) prompt loaders for ``run``.
+    def loaders(self, strategy: Any, tokenizer: Any, cfg: Any, group_size: int,
+                max_new_tokens: int) -> tuple[Any, Any]:
+        """(train, held-out) prompt loaders.
 
         Args:
-            run: the ``Run``; its ``grpo`` config sets the group size and completion length.
+            strategy: the started ``DeepSpeedStrategy`` (batch sizes, data-parallel shards).
+            tokenizer: turns text into ids.
+            cfg: the ``DataConfig``.
+            group_size: completions sampled per prompt.
+            max_new_tokens: the longest completion (a prompt gets ``max_len`` less this).
 
         Returns:
             The training loader and the held-out loader (None without ``--eval_dataset``).
@@ -174,11 +193,10 @@ class PromptSpec:
         Raises:
             ConfigError: fewer prompts than one rollout takes.
         """
-        cfg, strategy, grpo = run.data, run.strategy, run.grpo
-        per_rank = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size)
-        longest = cfg.max_len - grpo.max_new_tokens
-        collate_fn = collate.collate_prompts(run.tokenizer.pad_token_id)
-        train = files.load_prompts(cfg.dataset, run.tokenizer, cfg, longest, cfg.max_samples,
+        per_rank = prompts_per_rank(strategy.config, strategy.world_size, group_size)
+        longest = cfg.max_len - max_new_tokens
+        collate_fn = collate.collate_prompts(tokenizer.pad_token_id)
+        train = files.load_prompts(cfg.dataset, tokenizer, cfg, longest, cfg.max_samples,
                                    **train_source(cfg))
         needed = per_rank * strategy.data_parallel_size
         if len(train) < needed:
@@ -189,15 +207,16 @@ class PromptSpec:
                                                  collate_fn=collate_fn)
         if not cfg.eval_dataset:
             return train_loader, None
-        held = files.load_prompts(cfg.eval_dataset, run.tokenizer, cfg, longest,
+        held = files.load_prompts(cfg.eval_dataset, tokenizer, cfg, longest,
                                   split=cfg.eval_split)
         return train_loader, strategy.setup_eval_dataloader(
             held, strategy.config.micro_eval_batch_size, collate_fn=collate_fn)
 
 
 SFT = DataSpec(files.load_sft, collate.collate_sft, packing.pack, packing.collate_packed,
-               files.sft_parts, files.sft_sample)
+               packing.collate_micro_batch, files.sft_parts, files.sft_sample)
 PAIRS = DataSpec(files.load_pairs, collate.collate_pairs, packing.pack_pairs,
-                 packing.collate_packed_pairs, files.pair_parts, files.pair_sample)
+                 packing.collate_packed_pairs, partial(packing.collate_micro_batch, pairs=True),
+                 files.pair_parts, files.pair_sample)
 UNPAIRED = DataSpec(unpaired.load_kto, unpaired.collate_kto)  # KTO: no packing or streaming
 PROMPTS = PromptSpec()

@@ -114,6 +114,7 @@ class Trainer:
     data: ClassVar[Any] = SFT
     resume_by_samples: ClassVar[bool] = True
     config_classes: ClassVar[tuple] = ()  # configs of its own that Run.from_args parses
+    command: ClassVar[str | None] = None  # its installed command (strategy <command>), if any
 
     def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config: TrainConfig | None = None,
@@ -247,6 +248,22 @@ class Trainer:
             configs: the parsed configs by class (``StrategyConfig``, ``TrainConfig``...).
             world_size: ranks the launcher started.
         """
+
+    @classmethod
+    def loaders(cls, strategy, tokenizer: Any, data: Any, **_: Any) -> tuple[Any, Any]:
+        """(train, held-out) loaders of the data this trainer declares (``cls.data``), before the
+        trainer exists.
+
+        Args:
+            strategy: the started strategy (batch sizes, data-parallel shards).
+            tokenizer: turns text into ids.
+            data: the ``DataConfig``.
+            **_: the trainer's own keyword arguments, for trainers whose data depends on them.
+
+        Returns:
+            The training loader and the held-out loader (None without ``--eval_dataset``).
+        """
+        return cls.data.loaders(strategy, tokenizer, data)
 
     @classmethod
     def plan(cls, strategy, num_samples: int | None, cfg: TrainConfig, **_: Any) -> StepPlan:
@@ -550,18 +567,17 @@ class Trainer:
         done in it) from ``resume_position``."""
         sampled = hasattr(getattr(self.train_dataloader, "sampler", None), "load_state_dict")
         loader = self.train_dataloader if self.resume_by_samples and sampled else None
-        path, _ = self.strategy.load_ckpt(self.model, dataloader=loader, ema=self.ema)
-        if path is None:
+        loaded = self.strategy.load_ckpt(self.model, dataloader=loader, ema=self.ema)
+        if loaded.path is None:
             where = self.strategy.checkpoint.ckpt_path
             log.info("nothing to resume in %s; starting fresh", where)
             return 0, 0
-        state = self.strategy.resume_state
+        state = loaded.resume
         for name, engine in self._extra_engines():
             self.strategy.load_ckpt(engine, _beside(self.strategy.checkpoint.ckpt_path, name),
                                     tag=state.tag)
-        self.strategy.resume_state = state
         self.global_step = state.global_step
-        log.info("resumed %s at step %d", path, self.global_step)
+        log.info("resumed %s at step %d", loaded.path, self.global_step)
         return self.resume_position(state)
 
 

@@ -28,6 +28,7 @@ from transformers.cache_utils import DynamicLayer
 from strategy.model import base_model
 from strategy.trainers.losses.formulas import IGNORE
 
+TILE_VOCAB = 65536  # automatic tiling from this vocabulary size up (--tiled_logits_loss unset)
 FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 

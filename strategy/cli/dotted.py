@@ -1,0 +1,62 @@
+"""OpenRLHF 0.11's flag spellings (``--ds.zero_stage 3``, ``--optim adam``) in ours, before
+parsing: the tables of ``openrlhf_flags`` say what each becomes, or why it is refused."""
+
+from __future__ import annotations
+
+from strategy.cli.openrlhf_flags import DOTTED, PER_PARSER, REFUSED, VALUE_MAPS
+from strategy.errors import ConfigError
+
+# our command -> the OpenRLHF parser whose flags it takes
+PARSER_OF = {"sft": "train_sft", "rm": "train_rm", "dpo": "train_dpo", "orpo": "train_dpo",
+             "simpo": "train_dpo", "kto": "train_dpo", "grpo": "train_ppo_ray",
+             "ppo": "train_ppo_ray"}
+
+
+def dotted_argv(argv: list[str], command: str | None = None) -> list[str]:
+    """``argv`` with each OpenRLHF flag replaced by our tokens (``DOTTED``, and
+    ``PER_PARSER`` of ``command``'s OpenRLHF parser first); our own flags pass unchanged.
+
+    Args:
+        argv: the command line without the program name.
+        command: our trainer command (``sft``...), for the flags whose meaning depends on it.
+
+    Returns:
+        The translated command line.
+
+    Raises:
+        ConfigError: an OpenRLHF flag with no setting here (``REFUSED``: one line naming ours),
+            or a value it has no equivalent of.
+    """
+    table = {**DOTTED, **PER_PARSER.get(PARSER_OF.get(command, ""), {})}
+    out, rest = [], list(argv)
+    while rest:
+        arg = rest.pop(0)
+        name, eq, inline = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if name in REFUSED:
+            raise ConfigError(f"--{name} (OpenRLHF's) is not supported here: {REFUSED[name]}")
+        if name not in table:
+            out.append(arg)  # ours, or unknown: the parser refuses it with a close match
+            continue
+        out.extend(_translate(name, table[name], [inline] if eq else [], rest))
+    return out
+
+
+def _translate(name: str, template: tuple[str, ...], values: list[str],
+               rest: list[str]) -> list[str]:
+    """``template``'s tokens, each ``{}`` filled by the flag's next value (taken from
+    ``rest``); further values of a list flag follow (``--target_modules q_proj v_proj``)."""
+    wanted = sum(token == "{}" for token in template)
+    while rest and not rest[0].startswith("--") and (len(values) < wanted or wanted):
+        values.append(rest.pop(0))
+    if len(values) < wanted:
+        raise ConfigError(f"--{name} (OpenRLHF's) is invalid: it takes {wanted} value(s), got "
+                          f"{len(values)}")
+    mapping = VALUE_MAPS.get(name)
+    if mapping is not None:
+        if any(value not in mapping for value in values):
+            bad = next(value for value in values if value not in mapping)
+            raise ConfigError(f"--{name} {bad} (OpenRLHF's) has no equivalent here; use one of "
+                              f"{', '.join(mapping)}")
+        values = [mapping[value] for value in values]
+    filled = [values.pop(0) if token == "{}" else token for token in template]
+    return filled + values
