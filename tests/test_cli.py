@@ -351,3 +351,40 @@ def test_installed_command_trains_from_outside_the_checkout(installed):
     helped = subprocess.run([python, "-m", "strategy.cli.train_dpo", "--help"], cwd=outside,
                             env=env, capture_output=True, text=True, timeout=120)
     assert helped.returncode == 0 and "--beta" in helped.stdout, helped.stderr[-2000:]
+
+
+def test_the_readme_tour_runs_as_written(tmp_path):
+    """The README's tour (SFT, DPO, GRPO on the installed command), each command as written,
+    shortened to 2 optimizer steps, from a directory holding only the default run's data."""
+    from tests.support.helpers import run_job
+
+    readme = (ROOT / "README.md").read_text()
+    tour = readme.split("## A tour", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.split("#")[0].strip() for line in tour.splitlines()]
+    commands = [c for c in commands if c.startswith(("strategy ", "python -m strategy"))]
+    trains = [c for c in commands if c.startswith("strategy ") and "--help" not in c]
+    assert [c.split()[1] for c in trains] == ["sft", "dpo", "sft", "grpo"], commands
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:"
+           f"{os.environ['PATH']}"}
+    made = run_job([sys.executable, "-m", "strategy.demos.toy_task", "make",
+                    "outputs/default/data"], 300, cwd=tmp_path, env=env)
+    assert made.returncode == 0, made.stderr[-2000:]
+    for command in commands:
+        argv = command.split()
+        if argv[0] == "strategy" and "--help" not in argv:
+            argv += ["--nproc", "2", "--max_steps", "2", "--logging_steps", "1",
+                     "--save_steps", "-1"]
+        if argv[0] == "python":
+            argv[0] = sys.executable
+        proc = run_job(argv, 600, cwd=tmp_path, env=env)
+        assert proc.returncode == 0, (command, proc.stderr[-3000:])
+    for out in ("sft_zero2/model", "dpo_zero3/model", "grpo/sft", "grpo/model"):
+        assert (tmp_path / "outputs" / out / "config.json").is_file(), out
+
+
+def test_the_docs_list_every_openrlhf_flag_as_the_tables_say():
+    from strategy.cli.dotted import markdown_table
+
+    page = (ROOT / "docs" / "commands.md").read_text()
+    generated = page.split("(tests/test_cli.py checks it) -->\n", 1)[1].split("<!-- end", 1)[0]
+    assert generated == markdown_table(), "run python -m strategy.cli.dotted into docs/commands.md"

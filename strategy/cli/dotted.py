@@ -3,7 +3,9 @@ parsing: the tables of ``openrlhf_flags`` say what each becomes, or why it is re
 
 from __future__ import annotations
 
-from strategy.cli.openrlhf_flags import DOTTED, PER_PARSER, REFUSED, VALUE_MAPS
+import sys
+
+from strategy.cli.openrlhf_flags import DOTTED, PARSERS, PER_PARSER, REFUSED, VALUE_MAPS
 from strategy.errors import ConfigError
 
 # our command -> the OpenRLHF parser whose flags it takes
@@ -60,3 +62,38 @@ def _translate(name: str, template: tuple[str, ...], values: list[str],
         values = [mapping[value] for value in values]
     filled = [values.pop(0) if token == "{}" else token for token in template]
     return filled + values
+
+
+def markdown_table() -> str:
+    """Every flag of OpenRLHF 0.11's four parsers and what it becomes here, as the Markdown table
+    of ``docs/commands.md`` (``python -m strategy.cli.dotted`` prints it; a test compares).
+
+    Returns:
+        The table.
+    """
+    rows = ["| OpenRLHF 0.11 flag | its parsers | here |", "|---|---|---|"]
+    names = sorted({flag for flags in PARSERS.values() for flag in flags})
+    for flag in names:
+        parsers = ", ".join(p.removeprefix("train_") for p, fl in PARSERS.items() if flag in fl)
+        per = [f"{p.removeprefix('train_')}: {_shown(t[flag])}" for p, t in PER_PARSER.items()
+               if flag in t]
+        if flag in REFUSED:
+            here = f"refused: {REFUSED[flag]}"
+        else:
+            here = "; ".join([_shown(DOTTED[flag]) + _mapped(flag), *per])
+        rows.append(f"| `--{flag}` | {parsers} | {here.replace('|', '&#124;')} |")
+    return "\n".join(rows) + "\n"
+
+
+def _shown(template: tuple[str, ...]) -> str:
+    return f"`{' '.join('X' if t == '{}' else t for t in template)}`" if template else (
+        "always so here (nothing to pass)")
+
+
+def _mapped(flag: str) -> str:
+    pairs = VALUE_MAPS.get(flag)
+    return "" if not pairs else " (" + ", ".join(f"{a} -> {b}" for a, b in pairs.items()) + ")"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table())
