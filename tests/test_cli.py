@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import typing
@@ -295,8 +296,11 @@ def installed(tmp_path_factory):
     import sysconfig
 
     work = tmp_path_factory.mktemp("wheel")
+    source = work / "src"  # a clean copy: no build/ of an earlier wheel can fill this one
+    shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "outputs", "runs", "*.egg-info", "__pycache__", ".*_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(work / "dist"), str(ROOT)], check=True, timeout=300,
+                    "-q", "-w", str(work / "dist"), str(source)], check=True, timeout=300,
                    capture_output=True)
     wheel = next((work / "dist").glob("strategy-*.whl"))
     venv = work / "venv"
