@@ -9,8 +9,10 @@ Layers, each importing only from the ones above it:
     model, parallel/, export/            HF models; sequence/tensor parallelism; HF export
     decode                               the rollouts' lean sampling loop (uses model)
     rollout                              where on-policy completions come from (uses export)
+    engines                              training-engine checks; OpenRLHF's unpacking of one
     deepspeed_strategy                   the facade: DeepSpeedStrategy
     trainers/, demos/                    loops and recipes built on the facade
+    cli/                                 the installed commands: strategy <trainer>, train_*
 """
 
 from strategy.attention import attention_for  # registers sdpa_varlen with transformers

@@ -31,6 +31,7 @@ from strategy.checkpoint import (
 from strategy.config import StrategyConfig, build_ds_config, build_eval_ds_config
 from strategy.dtypes import training_dtype
 from strategy.ema import EMA, moving_average
+from strategy.engines import check_training_engine, unpackable
 from strategy.errors import CheckpointFileError, fail
 from strategy.export import save_model, save_model_metadata
 from strategy.internals import release_tensor_parallel_groups, restart_adam_powers
@@ -179,11 +180,11 @@ class DeepSpeedStrategy:
         return dist.get_world_size()
 
     @property
-    def is_rank_0(self) -> RankFlag:
+    def is_rank_0(self) -> dist.RankFlag:
         """Whether this is global rank 0 (the one that writes shared files): a flag that is
         also callable, so ``if strategy.is_rank_0:`` and OpenRLHF's ``strategy.is_rank_0()``
         both tell."""
-        return RankFlag(dist.is_rank_0())
+        return dist.RankFlag(dist.is_rank_0())
 
     def get_rank(self) -> int:
         """This process's global rank (OpenRLHF's form of ``rank``).
@@ -435,7 +436,7 @@ class DeepSpeedStrategy:
             return self._prepare_eval(item)
         if item[0] is None:
             return None, None, None
-        return _unpackable(self._prepare_train(*item))
+        return unpackable(self._prepare_train(*item))
 
     def _prepare_train(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                        scheduler: Any = None):
@@ -498,7 +499,7 @@ class DeepSpeedStrategy:
         Raises:
             ConfigError: ``model`` is no training engine, or ``optimizer`` is not its optimizer.
         """
-        _check_training_engine(model, optimizer)
+        check_training_engine(model, optimizer)
         zero3_average = self.config.zero_stage == 3 and self.sequence is not None
         model.backward(loss * self.sequence_parallel_size if zero3_average else loss)
 
@@ -522,7 +523,7 @@ class DeepSpeedStrategy:
                 engine's own.
         """
         engine = optimizer if model is None else model
-        _check_training_engine(engine, None if model is None else optimizer, scheduler)
+        check_training_engine(engine, None if model is None else optimizer, scheduler)
         if engine.is_gradient_accumulation_boundary():
             self.grad_norms.before_step(engine)  # measured before DeepSpeed drops the gradients
             restart_adam_powers(engine.optimizer)  # exact resume on DeepSpeed's CPU Adam
@@ -778,54 +779,3 @@ def _scaled(data: Any, factor: float) -> Any:
     if isinstance(data, dict):
         return {key: _scaled(value, factor) for key, value in data.items()}
     return data * factor
-
-
-
-class RankFlag(int):
-    """``is_rank_0`` read both ways: as a flag (``if strategy.is_rank_0:``) and called, as
-    OpenRLHF does (``strategy.is_rank_0()``); either way it is this rank's answer."""
-
-    def __call__(self) -> bool:
-        return bool(self)
-
-    def __repr__(self) -> str:
-        return repr(bool(self))
-
-
-_UNPACKABLE: dict[type, type] = {}  # engine class -> its subclass with __iter__
-
-
-def _engine_parts(engine: Any) -> Any:
-    return iter((engine, engine.optimizer, engine.lr_scheduler))
-
-
-def _unpackable(engine: Any) -> Any:
-    """The engine itself (same object and attributes, still a ``DeepSpeedEngine``), whose class is
-    swapped for a subclass adding only ``__iter__``, so OpenRLHF's ``m, o, s = prepare(...)``
-    unpacks it. Neither ``nn.Module`` nor ``DeepSpeedEngine`` iterates, and without ``__len__``
-    its truth value is unchanged."""
-    cls = type(engine)
-    if cls not in _UNPACKABLE.values():
-        if cls not in _UNPACKABLE:
-            _UNPACKABLE[cls] = type(cls.__name__, (cls,), {
-                "__iter__": _engine_parts, "__slots__": (), "__doc__": cls.__doc__})
-        engine.__class__ = _UNPACKABLE[cls]
-    return engine
-
-
-def _check_training_engine(engine: Any, optimizer: Any = None, scheduler: Any = None) -> None:
-    """``engine`` is a training engine, and ``optimizer``/``scheduler`` (OpenRLHF's arguments,
-    which DeepSpeed steps through the engine) are its own."""
-    if not hasattr(engine, "is_gradient_accumulation_boundary"):
-        fail("model", type(engine).__name__, "pass the training engine from "
-             "strategy.prepare((model, optimizer, scheduler))")
-    wrapped, owned = engine.optimizer, []
-    while wrapped is not None and len(owned) < 4:  # a ZeRO/bf16 wrapper's .optimizer: the client's
-        owned.append(wrapped)
-        wrapped = getattr(wrapped, "optimizer", None)
-    if optimizer is not None and not any(optimizer is o for o in owned):
-        fail("optimizer", type(optimizer).__name__, "pass the optimizer prepare returned with "
-             "this engine (or the one given to prepare): DeepSpeed steps that one")
-    if scheduler is not None and scheduler is not engine.lr_scheduler:
-        fail("scheduler", type(scheduler).__name__, "pass the scheduler given to prepare with "
-             "this engine: DeepSpeed steps that one, at accumulation boundaries")

@@ -437,3 +437,14 @@ def all_gather(data: Any) -> Any:
     if isinstance(data, torch.Tensor):
         return torch.cat(parts).to(data.device)
     return [part.item() for part in parts]
+
+
+class RankFlag(int):
+    """``is_rank_0`` read both ways: as a flag (``if strategy.is_rank_0:``) and called, as
+    OpenRLHF does (``strategy.is_rank_0()``); either way it is this rank's answer."""
+
+    def __call__(self) -> bool:
+        return bool(self)
+
+    def __repr__(self) -> str:
+        return repr(bool(self))

@@ -27,11 +27,14 @@ def _flags_in_help(text: str) -> set[str]:
         re.findall(r"\[--([\w.]+)", text))
 
 
-def _help(command: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "strategy.cli.main", command, "--help"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout
+def _help(command: str, capsys) -> str:
+    """``strategy <command> --help``'s text, in this process."""
+    from strategy.cli.main import main
+
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
 
 
 def test_each_trainer_parses_the_shared_configs_and_its_own_only():
@@ -54,19 +57,21 @@ def test_each_trainer_parses_the_shared_configs_and_its_own_only():
     assert len(CONFIG_CLASSES) == 7
 
 
-def test_help_lists_the_trainers_and_each_trainers_flags_alone():
+def test_help_lists_the_trainers_and_each_trainers_flags_alone(capsys):
+    from strategy.cli.main import main
     from strategy.cli.trainers import TRAINERS
     from strategy.trainers.run import flag_names
 
-    proc = subprocess.run([sys.executable, "-m", "strategy.cli.main", "--help"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0
-    assert all(re.search(rf"^\s+{c}\s", proc.stdout, flags=re.M) for c in COMMANDS), proc.stdout
-    for command in ("sft", "dpo", "grpo"):
-        shown = _flags_in_help(_help(command)) - {"help", "config", "local_rank"}
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    listing = capsys.readouterr().out
+    assert done.value.code == 0
+    assert all(re.search(rf"^\s+{c}\s", listing, flags=re.M) for c in COMMANDS), listing
+    for command in COMMANDS:
+        shown = _flags_in_help(_help(command, capsys)) - {"help", "config", "local_rank"}
         assert shown == flag_names(TRAINERS[command][0]), (command, shown ^ flag_names(
             TRAINERS[command][0]))
-    sft = _help("sft")
+    sft = _help("sft", capsys)
     for foreign in ("--beta", "--loss_type", "--ipo", "--group_size", "--kl_coef", "DPOConfig"):
         assert foreign not in sft, foreign
     dpo = subprocess.run([sys.executable, "-m", "strategy.cli.train_dpo", "--help"], cwd=ROOT,
@@ -83,23 +88,33 @@ def _one_line(cmd: list[str], cwd=ROOT) -> str:
     return lines[0]
 
 
-def test_a_foreign_flag_is_refused_in_one_line_naming_who_takes_it(tmp_path):
+def test_a_foreign_flag_is_refused_in_one_line_naming_who_takes_it(tmp_path, monkeypatch):
+    from strategy.errors import ConfigError
+    from tests.support.helpers import forbid_process_group, load_example
+
     base = ["--config", "sft_zero2", "--dataset", "missing.jsonl"]
     line = _one_line([sys.executable, "-m", "strategy.cli.train_sft", *base, "--beta", "0.1"])
     assert line == "error: --beta is not a flag of sft; dpo takes it"
     line = _one_line([sys.executable, "-m", "strategy.cli.main", "sft", "--nproc", "2", *base,
                       "--group_size", "4"])
     assert line == "error: --group_size is not a flag of sft; grpo and ppo take it"
-    line = _one_line([sys.executable, "-m", "strategy.cli.train_orpo", *base,
-                      "--ref_pretrain", "x"])
-    assert line == "error: --ref_pretrain is not a flag of orpo; dpo, grpo, kto and ppo take it"
+    forbid_process_group(monkeypatch)
     config = tmp_path / "sft.yaml"
     config.write_text("zero_stage: 2\nkl_coef: 0.1\n")
-    line = _one_line([sys.executable, "-m", "strategy.cli.train_sft", "--config", str(config)])
-    assert line == f"error: {config}: --kl_coef is not a flag of sft; grpo and ppo take it"
-    line = _one_line([sys.executable, "-m", "strategy.cli.train_sft", *base, "--lerning_rate",
-                      "1"])
-    assert "did you mean --learning_rate" in line
+    for script, argv, message in [
+            ("train_orpo", [*base, "--ref_pretrain", "x"],
+             "--ref_pretrain is not a flag of orpo; dpo, grpo, kto and ppo take it"),
+            ("train_sft", ["--config", str(config)],
+             f"{config}: --kl_coef is not a flag of sft; grpo and ppo take it"),
+            ("train_sft", [*base, "--lerning_rate", "1"],
+             "--lerning_rate is not a flag here; did you mean --learning_rate?"),
+            ("train_grpo", [*base, "--critic_learning_rate", "1e-5"],
+             "--critic_learning_rate is not a flag of grpo; ppo takes it"),
+            ("train_rm", [*base, "--messages_key", "chat"],
+             "--messages_key is not a flag of rm; sft takes it")]:
+        with pytest.raises(ConfigError) as refused:
+            load_example(script)(argv)
+        assert str(refused.value) == message
 
 
 def test_shipped_configs_are_found_by_name_and_a_path_still_works(tmp_path):
@@ -365,7 +380,8 @@ def test_the_readme_tour_runs_as_written(tmp_path):
     readme = (ROOT / "README.md").read_text()
     tour = readme.split("## A tour", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = [line.split("#")[0].strip() for line in tour.splitlines()]
-    commands = [c for c in commands if c.startswith(("strategy ", "python -m strategy"))]
+    commands = [c for c in commands if c.startswith(("strategy ", "python -m strategy"))
+                and "--help" not in c]  # the help texts: test_help_lists_the_trainers...
     trains = [c for c in commands if c.startswith("strategy ") and "--help" not in c]
     assert [c.split()[1] for c in trains] == ["sft", "dpo", "sft", "grpo"], commands
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:"
@@ -375,7 +391,7 @@ def test_the_readme_tour_runs_as_written(tmp_path):
     assert made.returncode == 0, made.stderr[-2000:]
     for command in commands:
         argv = command.split()
-        if argv[0] == "strategy" and "--help" not in argv:
+        if argv[0] == "strategy":
             argv += ["--nproc", "2", "--max_steps", "2", "--logging_steps", "1",
                      "--save_steps", "-1"]
         if argv[0] == "python":

@@ -38,6 +38,7 @@ LAYERS = {
     "export": 7,
     "decode": 5.5,  # imports model; rollout uses it
     "rollout": 7.5,
+    "engines": 7.6,
     "deepspeed_strategy": 8,
     "trainers": 9,
     "demos": 10,

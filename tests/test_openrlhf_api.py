@@ -13,7 +13,8 @@ from torch import nn
 
 from strategy import CheckpointConfig, DeepSpeedStrategy, OptimConfig, StrategyConfig
 from strategy.checkpoint import LoadedCheckpoint, Retention
-from strategy.deepspeed_strategy import RankFlag, _unpackable
+from strategy.dist import RankFlag
+from strategy.engines import unpackable
 from strategy.errors import ConfigError
 from tests.support.models import VOCAB
 
@@ -156,12 +157,12 @@ def test_unpackable_engine_stays_the_same_object():
             self.optimizer, self.lr_scheduler = "optim", "schedule"
 
     engine = Engine()
-    same = _unpackable(engine)
+    same = unpackable(engine)
     model, optim, schedule = same
     assert same is engine is model and (optim, schedule) == ("optim", "schedule")
     assert isinstance(engine, Engine) and type(engine).__name__ == "Engine" and bool(engine)
-    assert type(_unpackable(engine)) is type(engine)  # no subclass of the subclass
-    assert type(_unpackable(Engine())) is type(engine)  # one subclass per engine class
+    assert type(unpackable(engine)) is type(engine)  # no subclass of the subclass
+    assert type(unpackable(Engine())) is type(engine)  # one subclass per engine class
     assert DeepSpeedStrategy().prepare((None, None, None)) == (None, None, None)
 
 
