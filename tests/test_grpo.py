@@ -191,6 +191,30 @@ def test_padding_free_and_shared_prompt_updates_match_per_row_ones(ranks, toy):
         assert got_rows[1]["kl"] > 0 and got_rows[1]["ratio"] != 1.0  # the second step moved off
 
 
+def test_gspo_and_cispo_train_at_zero3_and_start_as_their_token_level_twins(ranks, toy):
+    """At ZeRO-3, one rollout stepped twice per loss type. The first update has ratio 1, where
+    GSPO's gradient is PPO's under the same mean over completions, and CISPO's is PPO's under the
+    token mean (its loss value, -advantage x logp, is not); on the second, off-policy, they part:
+    a sequence-level clip, a clipped weight that keeps its gradient."""
+    runs = {name: ranks.run(train, str(toy), name, max_steps=2, zero_stage=3, **extra)[0]
+            for name, extra in (("ppo_token", {}),
+                                ("ppo_seq", {"policy_loss_agg": "seq_mean_token_mean"}),
+                                ("gspo", {"policy_loss_type": "gspo"}),
+                                ("cispo", {"policy_loss_type": "cispo", "clip_eps_high": 0.05}))}
+    for name, twin in (("gspo", "ppo_seq"), ("cispo", "ppo_token")):
+        got, want = runs[name]["history"], runs[twin]["history"]
+        assert [r["step"] for r in got] == [1, 2]
+        assert got[0]["reward"] == want[0]["reward"]  # the same rollout
+        assert got[0]["grad_norm"] == pytest.approx(want[0]["grad_norm"], rel=1e-4), name
+        assert got[1]["ratio"] > 1.0 or got[1]["ratio"] < 1.0  # the policy moved off
+        assert got[1]["grad_norm"] != pytest.approx(want[1]["grad_norm"], rel=1e-6), name
+        assert all(math.isfinite(r["loss"]) for r in got)
+    assert runs["gspo"]["history"][0]["loss"] == pytest.approx(
+        runs["ppo_seq"]["history"][0]["loss"], rel=1e-4, abs=1e-6)
+    assert runs["cispo"]["history"][0]["loss"] != pytest.approx(
+        runs["ppo_token"]["history"][0]["loss"], rel=1e-3)
+
+
 def greedy_tokens(root: str, stage: int, gather: str = "full") -> dict:
     """Greedy completions of this rank's held-out prompts, as the trainer generates them, and
     which rollout engine made them; sampled completions of groups of 4 copies of the first

@@ -169,6 +169,8 @@ DOTTED: dict[str, tuple[str, ...]] = {
     # KL in the loss; OpenRLHF's default (in the reward) is our PPO's, not our GRPO's: without
     # this flag a GRPO command wants --kl_in_reward
     "algo.kl.use_loss": ("--no-kl_in_reward",),
+    # ppo or gspo, both (gspo: each completion's ratio; its mean over completions, both)
+    "actor.policy_loss_type": ("--policy_loss_type", "{}"),
 }
 
 VALUE_MAPS: dict[str, dict[str, str]] = {
@@ -307,8 +309,6 @@ REFUSED: dict[str, str] = {
     "critic.freezing_steps": "no critic warm-up here: policy and critic train from the first step",
     "algo.kl.target": "no adaptive KL controller here: the weight is fixed (--kl_coef)",
     "algo.kl.horizon": "no adaptive KL controller here: the weight is fixed (--kl_coef)",
-    "actor.policy_loss_type": "GSPO is not here: the loss is PPO's token-level clipped ratio "
-                              "(OpenRLHF's ppo); --policy_loss_agg aggregates it",
     "actor.entropy_coef": "no entropy term here (nor entropy logs); --temperature shapes "
                           "exploration",
     "reward.clip_range": "rewards are not clipped here (OpenRLHF clamps to [-10, 10] by "

@@ -236,6 +236,7 @@ DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 OUTCOME_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline")
 GROUPED = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")  # baselines from the group
 POLICY_LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+POLICY_LOSS_TYPES = ("ppo", "gspo", "cispo")  # losses.formulas.grpo_token_losses
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -363,11 +364,18 @@ class GRPOConfig:
         "group mean, over its std), dr_grpo (less the group mean), rloo (less the mean of the "
         "group's others), reinforce (the reward, whitened over the rollout's tokens) or "
         "reinforce_baseline (less the group mean, whitened)", "group_norm")
-    policy_loss_agg: str = doc(
+    policy_loss_type: str = doc(
+        "GRPO/PPO: ppo (each token's ratio clipped, today's loss), gspo (each completion's "
+        "ratio, exp of its mean token log-ratio, clipped: GSPO, OpenRLHF's gspo, TRL's "
+        "importance_sampling_level=sequence) or cispo (-sg(min(ratio, 1 + clip_eps_high)) x "
+        "advantage x logp: the weight clipped, every token keeps a gradient; TRL's cispo with "
+        "epsilon_high = 1 + clip_eps_high, e.g. 4.0 for its 5.0)", "ppo")
+    policy_loss_agg: str | None = doc(
         "GRPO: how token losses make the step's loss: token_mean (every completion token of the "
         "step weighs the same; TRL's dapo), seq_mean_token_mean (each completion's token mean, "
         "averaged over completions: the GRPO paper) or seq_mean_token_sum_norm (each "
-        "completion's token sum over max_new_tokens, averaged: Dr. GRPO)", "token_mean")
+        "completion's token sum over max_new_tokens, averaged: Dr. GRPO); None: token_mean, "
+        "gspo's seq_mean_token_mean (GSPO's mean over sequences, as OpenRLHF forces it)", None)
     clip_eps_low: float | None = doc("GRPO: lower ratio clip, 1 - eps (None: --clip_eps)", None)
     clip_eps_high: float | None = doc("GRPO: upper ratio clip, 1 + eps (None: --clip_eps; DAPO's "
                                       "clip-higher: e.g. 0.28)", None)
@@ -410,6 +418,25 @@ class GRPOConfig:
         """Whether advantages are per token (a KL in the reward, a discount, or GAE) rather
         than one per completion."""
         return self.kl_in_reward or self.gamma < 1 or self.advantage_estimator == "gae"
+
+    def _check_policy_loss(self) -> None:
+        """The loss type's own refusals; ``policy_loss_agg`` resolved from it when unset."""
+        kind = self.policy_loss_type
+        if kind not in POLICY_LOSS_TYPES:
+            fail("policy_loss_type", kind, f"use one of {', '.join(POLICY_LOSS_TYPES)}")
+        if self.policy_loss_agg is None:
+            object.__setattr__(self, "policy_loss_agg",
+                               "seq_mean_token_mean" if kind == "gspo" else "token_mean")
+        if kind == "gspo" and self.policy_loss_agg != "seq_mean_token_mean":
+            fail("policy_loss_agg", self.policy_loss_agg, "GSPO's objective is a mean over "
+                 "completions of their sequence-level terms; use seq_mean_token_mean (the "
+                 "default with gspo)")
+        if kind == "cispo" and self.dual_clip is not None:
+            fail("dual_clip", self.dual_clip, "CISPO clips the weight, not the objective; drop "
+                 "it, or use --policy_loss_type ppo")
+        if kind == "cispo" and self.clip_eps_low is not None:
+            fail("clip_eps_low", self.clip_eps_low, "CISPO clips the weight above only "
+                 "(1 + clip_eps_high); drop it")
 
     def reward_names(self) -> list[str]:
         """Each reward in weight order.
@@ -467,6 +494,7 @@ class GRPOConfig:
                  f"{', '.join(OUTCOME_ESTIMATORS)}")
         if not 0 < self.gamma <= 1:
             fail("gamma", self.gamma, "use a discount in (0, 1], e.g. 1.0")
+        self._check_policy_loss()
         for name, allowed in (("advantage_estimator", self.estimators),
                               ("policy_loss_agg", POLICY_LOSS_AGGS),
                               ("kl_estimator", KL_ESTIMATORS),

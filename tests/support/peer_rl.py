@@ -130,3 +130,49 @@ def value_loss(values, old_values, returns, action_mask, clip_eps=None,
         seq_mask = (token_counts > 0).float()
         loss = masked_mean(seq_loss, seq_mask, dim=None)
     return 0.5 * loss
+
+
+def gspo_policy_loss(log_probs, old_log_probs, advantages, action_mask, clip_eps_low,
+                     clip_eps_high, dual_clip=None) -> torch.Tensor:
+    """``PolicyLoss.forward`` with ``policy_loss_type="gspo"`` (no vLLM correction), then its
+    ``aggregate_loss`` (GSPO forces ``token_level_loss=False``: the mean of per-sequence token
+    means, fully masked sequences left out)."""
+    log_ratio = log_probs - old_log_probs
+    ratio = (log_ratio * action_mask).sum(dim=-1) / action_mask.sum(dim=-1).clamp(min=1)
+    ratio = ratio.exp().unsqueeze(-1) * action_mask
+    surr1 = ratio * advantages
+    surr2 = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high) * advantages
+    if dual_clip is None:
+        loss = -torch.min(surr1, surr2)
+    else:
+        clip1 = torch.min(surr1, surr2)
+        clip2 = torch.max(clip1, dual_clip * advantages)
+        loss = -torch.where(advantages < 0, clip2, clip1)
+    token_counts = action_mask.sum(dim=-1)
+    seq_loss = (loss * action_mask).sum(dim=-1) / (token_counts + 1e-8)
+    seq_mask = (token_counts > 0).float()
+    return masked_mean(seq_loss, seq_mask, dim=None)
+
+
+# TRL 1.16.0 ``GRPOTrainer._compute_loss`` (trl/trainer/grpo_trainer.py, read from the PyPI
+# wheel): the importance weights by ``importance_sampling_level``, the ``cispo`` and clipped
+# (``grpo``/``dapo``) per-token losses, and their normalisations, for one process without
+# accumulation (``num_items_in_batch`` = the batch's completion tokens), beta 0.
+def trl_per_token_loss(per_token_logps, old_per_token_logps, advantages, mask, loss_type,
+                       epsilon_low, epsilon_high, importance_sampling_level="token"):
+    log_ratio = per_token_logps - old_per_token_logps
+    if importance_sampling_level == "token":
+        log_importance_weights = log_ratio
+    else:
+        log_importance_weights = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        log_importance_weights = log_importance_weights.unsqueeze(-1)
+    coef_1 = torch.exp(log_importance_weights)
+    if loss_type == "cispo":
+        clamped_ratios = torch.clamp(coef_1, max=epsilon_high).detach()
+        per_token_loss = -clamped_ratios * advantages * per_token_logps
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if loss_type == "grpo":
+        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)  # cispo, dapo

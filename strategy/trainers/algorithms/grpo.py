@@ -446,7 +446,7 @@ class GRPOTrainer(Trainer):
         losses, metrics = grpo_token_losses(
             logp, self._old_logps[key], ref, batch["advantages"], mask, low,
             0.0 if g.kl_in_reward else g.kl_coef, clip_eps_high=high, dual_clip=g.dual_clip,
-            kl_estimator=g.kl_estimator)
+            kl_estimator=g.kl_estimator, policy_loss_type=g.policy_loss_type)
         return self.aggregate(losses, mask), metrics
 
     def aggregate(self, losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -134,34 +134,59 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     return outcome_advantages(rewards, group_size, "group_norm", eps)
 
 
+POLICY_LOSS_TYPES = ("ppo", "gspo", "cispo")
+
+
 def grpo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
                       advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float,
                       beta: float, clip_eps_high: float | None = None,
                       dual_clip: float | None = None, kl_estimator: str = "k3",
-                      ) -> tuple[torch.Tensor, dict]:
-    """Per-token clipped policy-gradient loss plus ``beta`` times an estimate of
-    KL(policy || reference) (``kl_estimate``: k3 by default), zero where ``mask`` is off; and the
-    KL, the ratio and the clipped fraction as (sum, count) over scored tokens.
+                      policy_loss_type: str = "ppo") -> tuple[torch.Tensor, dict]:
+    """Per-token policy-gradient loss plus ``beta`` times an estimate of KL(policy || reference)
+    (``kl_estimate``: k3 by default), zero where ``mask`` is off; and the KL, the ratio and the
+    clipped fraction as (sum, count) over scored tokens.
 
-    The ratio is clipped to ``[1 - clip_eps, 1 + clip_eps_high]`` (``clip_eps_high`` None: the
-    same eps both sides; DAPO raises the upper one). ``dual_clip`` (> 1, dual-clip PPO) bounds a
-    negative advantage's loss at ``-dual_clip * advantage``, as OpenRLHF's ``PolicyLoss``.
+    ``policy_loss_type``: ``ppo``, each token's ratio clipped to ``[1 - clip_eps,
+    1 + clip_eps_high]`` (``clip_eps_high`` None: the same eps both sides; DAPO raises the upper
+    one); ``gspo``, the same clip on each completion's ratio, the exponent of its mean token
+    log-ratio (GSPO, OpenRLHF's ``gspo``, TRL's ``importance_sampling_level="sequence"``);
+    ``cispo``, ``-sg(min(ratio, 1 + clip_eps_high)) * advantage * logp``: the weight is clipped,
+    not the gradient, so every token keeps one (CISPO; TRL's ``cispo`` with ``epsilon_high`` =
+    1 + ``clip_eps_high``). ``dual_clip`` (> 1, dual-clip PPO, ppo and gspo) bounds a negative
+    advantage's loss at ``-dual_clip * advantage``, as OpenRLHF's ``PolicyLoss``.
     ``advantages`` has one value per row, or one per token.
     """
-    ratio = torch.exp(logp - old_logp)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     high = clip_eps if clip_eps_high is None else clip_eps_high
-    unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + high) * adv
-    objective = torch.min(unclipped, clipped)
-    if dual_clip is not None:
-        objective = torch.where(adv < 0, torch.max(objective, dual_clip * adv), objective)
+    if policy_loss_type == "cispo":
+        ratio = torch.exp(logp - old_logp)
+        objective = torch.clamp(ratio, max=1 + high).detach() * adv * logp
+        was_clipped = ratio > 1 + high
+    else:
+        ratio = torch.exp(_log_ratio(logp, old_logp, mask, policy_loss_type))
+        unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + high) * adv
+        objective, was_clipped = torch.min(unclipped, clipped), clipped < unclipped
+        if dual_clip is not None:
+            objective = torch.where(adv < 0, torch.max(objective, dual_clip * adv), objective)
     kl = kl_estimate(logp, ref_logp, kl_estimator)
     losses = (-objective + beta * kl) * mask
     scored = mask.bool()
-    was_clipped = (clipped < unclipped)[scored]
     return losses, {"kl": _mean_pair(kl.detach()[scored]),
-                    "ratio": _mean_pair(ratio.detach()[scored]),
-                    "clip_fraction": _mean_pair(was_clipped)}
+                    "ratio": _mean_pair(ratio.detach().expand_as(logp)[scored]),
+                    "clip_fraction": _mean_pair(was_clipped.expand_as(logp)[scored])}
+
+
+def _log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+               policy_loss_type: str) -> torch.Tensor:
+    """Each token's log-ratio (``ppo``), or its completion's mean over scored tokens, as a
+    ``[rows, 1]`` column (``gspo``)."""
+    log_ratio = logp - old_logp
+    if policy_loss_type == "ppo":
+        return log_ratio
+    if policy_loss_type != "gspo":
+        raise ValueError(f"policy_loss_type {policy_loss_type!r}: use {POLICY_LOSS_TYPES}")
+    per_row = (log_ratio * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+    return per_row.unsqueeze(-1)
 
 
 def value_token_losses(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

@@ -1,0 +1,107 @@
+"""GSPO and CISPO (``--policy_loss_type``) against their formulas and their peers' code on the
+same log-probs: OpenRLHF's ``PolicyLoss(policy_loss_type="gspo")`` and TRL 1.16's
+``importance_sampling_level="sequence"`` and ``loss_type="cispo"`` (``tests/support/peer_rl.py``):
+losses and gradients with respect to the policy's log-probs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strategy.errors import ConfigError
+from strategy.trainers.config import GRPOConfig, PPOConfig
+from strategy.trainers.losses import grpo_token_losses
+from tests.support import peer_rl
+
+LENGTHS = (1, 7, 3, 12, 5, 9)  # completions of very different lengths, one of a single token
+
+
+def _batch(seed: int = 0):
+    """Log-probs whose ratios reach past both clip bounds, mixed-sign advantages."""
+    g = torch.Generator().manual_seed(seed)
+    rows, width = len(LENGTHS), max(LENGTHS)
+    mask = torch.zeros(rows, width)
+    for row, length in enumerate(LENGTHS):
+        mask[row, :length] = 1
+    old = -torch.rand(rows, width, generator=g) * 3
+    logp = (old + torch.randn(rows, width, generator=g) * 0.4).requires_grad_(True)
+    adv = torch.tensor([1.5, -0.7, 0.3, -1.2, 0.9, -0.2])
+    return logp, old * mask, adv, mask
+
+
+def _ours(logp, old, adv, mask, kind, agg, low=0.2, high=0.28, dual=None):
+    losses, metrics = grpo_token_losses(logp, old, logp.detach(), adv, mask, low, 0.0,
+                                        clip_eps_high=high, dual_clip=dual, policy_loss_type=kind)
+    if agg == "token_mean":
+        return losses.sum() / mask.sum(), metrics
+    return (losses.sum(-1) / mask.sum(-1)).mean(), metrics
+
+
+def _grad(loss, logp):
+    return torch.autograd.grad(loss, logp, retain_graph=True)[0]
+
+
+@pytest.mark.parametrize("dual", [None, 3.0])
+def test_gspo_equals_openrlhf_and_trl_sequence_level(dual):
+    logp, old, adv, mask = _batch()
+    ours, metrics = _ours(logp, old, adv, mask, "gspo", "seq_mean_token_mean", dual=dual)
+    theirs = peer_rl.gspo_policy_loss(logp, old, adv[:, None], mask, 0.2, 0.28, dual)
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(_grad(ours, logp), _grad(theirs, logp))
+    if dual is None:
+        trl = peer_rl.trl_per_token_loss(logp, old, adv[:, None], mask, "grpo", 0.2, 0.28,
+                                         importance_sampling_level="sequence")
+        torch.testing.assert_close(ours, trl)
+        torch.testing.assert_close(_grad(ours, logp), _grad(trl, logp))
+    assert 0 < metrics["clip_fraction"][0] < metrics["clip_fraction"][1]  # some clipped
+
+
+def test_gspo_by_hand():
+    """One ratio per completion, exp of its mean log-ratio; its gradient spreads evenly over the
+    completion's tokens; equal per-token log-ratios make it PPO's per-token loss."""
+    logp, old, adv, mask = _batch(1)
+    loss, _ = _ours(logp, old, adv, mask, "gspo", "seq_mean_token_mean", low=10.0, high=10.0)
+    seq = ((logp - old) * mask).sum(-1) / mask.sum(-1)
+    torch.testing.assert_close(loss, (-(seq.exp() * adv)).mean())  # unclipped: -s_i A_i
+    grad = _grad(loss, logp)
+    expected = -(seq.exp() * adv)[:, None] / mask.sum(-1, keepdim=True) / len(LENGTHS) * mask
+    torch.testing.assert_close(grad, expected.detach())
+    shift = torch.full_like(old, 0.1)  # the same log-ratio on every token
+    same = (old + shift).requires_grad_(True)
+    gspo, _ = _ours(same, old, adv, mask, "gspo", "seq_mean_token_mean")
+    ppo, _ = _ours(same, old, adv, mask, "ppo", "seq_mean_token_mean")
+    torch.testing.assert_close(gspo, ppo)
+
+
+def test_cispo_equals_trl_and_keeps_every_tokens_gradient():
+    logp, old, adv, mask = _batch(2)
+    high = 0.15  # small enough that some ratios pass it
+    ours, metrics = _ours(logp, old, adv, mask, "cispo", "token_mean", high=high)
+    theirs = peer_rl.trl_per_token_loss(logp, old, adv[:, None], mask, "cispo", None, 1 + high)
+    torch.testing.assert_close(ours, theirs)
+    grad = _grad(ours, logp)
+    torch.testing.assert_close(grad, _grad(theirs, logp))
+    ratio = (logp - old).exp().detach()
+    weight = ratio.clamp(max=1 + high)  # by hand: -sg(w) A / tokens on every scored token
+    torch.testing.assert_close(grad, -(weight * adv[:, None]) * mask / mask.sum())
+    assert bool((grad[mask.bool()] != 0).all()), "every token keeps a gradient"
+    ppo_grad = _grad(_ours(logp, old, adv, mask, "ppo", "token_mean", high=high)[0], logp)
+    assert bool((ppo_grad[mask.bool()] == 0).any()), "PPO's clip zeroes some (the contrast)"
+    assert metrics["clip_fraction"][0] == int(((ratio > 1 + high) & mask.bool()).sum())
+
+
+def test_policy_loss_type_settings():
+    reward = {"reward_fn": "m:f"}
+    assert GRPOConfig(**reward).policy_loss_agg == "token_mean"
+    assert GRPOConfig(**reward, policy_loss_type="gspo").policy_loss_agg == "seq_mean_token_mean"
+    assert PPOConfig(**reward, policy_loss_type="cispo").policy_loss_agg == "token_mean"
+    for change, message in [
+            ({"policy_loss_type": "grpo"}, "policy_loss_type='grpo' is invalid: use one of ppo, "
+             "gspo, cispo"),
+            ({"policy_loss_type": "gspo", "policy_loss_agg": "token_mean"},
+             "policy_loss_agg='token_mean' is invalid: GSPO's objective"),
+            ({"policy_loss_type": "cispo", "dual_clip": 3.0}, "dual_clip=3.0 is invalid: CISPO"),
+            ({"policy_loss_type": "cispo", "clip_eps_low": 0.2},
+             "clip_eps_low=0.2 is invalid: CISPO clips the weight above only")]:
+        with pytest.raises(ConfigError, match=message):
+            GRPOConfig(**reward, **change)
