@@ -23,8 +23,8 @@ COMMANDS = ("sft", "rm", "dpo", "orpo", "simpo", "kto", "grpo", "ppo")
 
 
 def _flags_in_help(text: str) -> set[str]:
-    return set(re.findall(r"^\s+--(?:\[no-\])?([\w.]+)", text, flags=re.M)) | set(
-        re.findall(r"\[--([\w.]+)", text))
+    return set(re.findall(r"^  --(?:\[no-\])?(\w+)", text, flags=re.M)) | set(
+        re.findall(r"\[--(\w+)", text))  # option lines and the usage, not help texts
 
 
 def _help(command: str, capsys) -> str:

@@ -215,6 +215,65 @@ def test_gspo_and_cispo_train_at_zero3_and_start_as_their_token_level_twins(rank
         runs["ppo_token"]["history"][0]["loss"], rel=1e-3)
 
 
+def masked_truncation(root: str, name: str, **extra) -> dict:
+    """GRPO with --mask_truncated_completions, recording for each training micro-batch of the
+    first step (ratio 1, KL 0 against the unchanged reference) which rows train, their rewards,
+    and the token mean the loss should be: -sum(advantage x tokens) / tokens over trained rows."""
+    from strategy.trainers import GRPOConfig, GRPOTrainer
+    from strategy.trainers.algorithms.preference import reference_model
+    from strategy.trainers.algorithms.rewards import build_rewards
+    from strategy.trainers.losses import scored_mask
+    from strategy.trainers.run import Run
+
+    class Recording(GRPOTrainer):
+        seen: list = []
+
+        def compute_loss(self, batch):
+            if torch.is_grad_enabled() and self.global_step == 0:
+                trained = batch.get("trained", torch.ones(len(batch["rewards"]), dtype=bool))
+                tokens = scored_mask(batch).sum(-1).cpu()
+                adv = batch["advantages"].cpu()
+                self.seen.append({"trained": trained.tolist(), "rewards": batch["rewards"].tolist(),
+                                  "adv_tokens": float((adv * tokens)[trained].sum()),
+                                  "tokens": int(tokens[trained].sum()),
+                                  "counted": self.micro_counts["tokens"]})
+            return super().compute_loss(batch)
+
+    with Run.from_args(_argv(root, name, **extra), trainer=GRPOTrainer) as run:
+        model, grpo = run.model(), run.config(GRPOConfig)
+        trainer = run.trainer(Recording, model, grpo=grpo, ref_model=reference_model(run, model),
+                              reward=build_rewards(run, grpo))
+        trainer.fit()
+    return {"history": trainer.history, "seen": Recording.seen}
+
+
+def test_length_penalties_and_masked_truncated_completions_at_two_ranks(ranks, toy):
+    """One rollout, stepped twice. DAPO's overlong punishment over the whole completion
+    (buffer = max_new_tokens) takes each completion's length / 8 off the same rollout's reward.
+    Completions cut at 2 tokens get ProRL's fixed -0.5 and, with --mask_truncated_completions,
+    train nothing: the first step's loss is the token mean over the ended ones alone."""
+    runs = {name: ranks.run(train, str(toy), name, max_steps=2, **extra)[0]["history"]
+            for name, extra in (("plain", {}), ("overlong", {"overlong_buffer_len": 8}))}
+    plain, overlong = runs["plain"][0], runs["overlong"][0]
+    assert overlong["completion_length"] == plain["completion_length"]  # the same rollout
+    assert overlong["overlong_penalized"] == 1.0  # every completion is within the buffer
+    assert overlong["reward"] == pytest.approx(plain["reward"] - plain["completion_length"] / 8,
+                                               abs=1e-6)
+    assert 0 < plain["truncated"] < 1, plain["truncated"]  # some end, some are cut at 8
+    cut = ranks.run(masked_truncation, str(toy), "cut", max_steps=2, max_new_tokens=2,
+                    stop_properly_penalty_coef=-0.5, mask_truncated_completions=True)
+    seen = [row for rank in cut for row in rank["seen"]]
+    flags = [f for row in seen for f in row["trained"]]
+    assert any(flags) and not all(flags), flags  # ended and cut completions both
+    for row in seen:
+        assert all(r == -0.5 for r, t in zip(row["rewards"], row["trained"]) if not t)
+        assert row["counted"] == row["tokens"]  # the cut ones are not counted
+    expected = -sum(r["adv_tokens"] for r in seen) / sum(r["tokens"] for r in seen)
+    first = cut[0]["history"][0]
+    assert first["truncated"] == pytest.approx(1 - sum(flags) / len(flags))
+    assert first["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
 def greedy_tokens(root: str, stage: int, gather: str = "full") -> dict:
     """Greedy completions of this rank's held-out prompts, as the trainer generates them, and
     which rollout engine made them; sampled completions of groups of 4 copies of the first

@@ -169,6 +169,10 @@ DOTTED: dict[str, tuple[str, ...]] = {
     # KL in the loss; OpenRLHF's default (in the reward) is our PPO's, not our GRPO's: without
     # this flag a GRPO command wants --kl_in_reward
     "algo.kl.use_loss": ("--no-kl_in_reward",),
+    # DAPO's overlong punishment and ProRL's stop-properly penalty, both, in OpenRLHF's order
+    "reward.overlong_buffer_len": ("--overlong_buffer_len", "{}"),
+    "reward.overlong_penalty_factor": ("--overlong_penalty_factor", "{}"),
+    "reward.stop_properly_penalty_coef": ("--stop_properly_penalty_coef", "{}"),
     # ppo or gspo, both (gspo: each completion's ratio; its mean over completions, both)
     "actor.policy_loss_type": ("--policy_loss_type", "{}"),
 }
@@ -194,8 +198,6 @@ _ASYNC = ("asynchronous rollouts are not here: rollout and update alternate on e
 _CRITIC = "the critic takes the policy's {} (its own setting here: --critic_learning_rate)"
 _TOKENS = ("token-budget batching is not here: micro-batches count samples "
            "(--micro_train_batch_size)")
-_SHAPING = ("no reward shaping here: shape it in --reward_fn module:function "
-            "(f(prompt, completion, row))")
 
 REFUSED: dict[str, str] = {
     # ---- runtime, kernels, tokenizer, hub
@@ -315,9 +317,6 @@ REFUSED: dict[str, str] = {
                          "default); clip in --reward_fn",
     "algo.advantage.no_std_norm": "whitening here always divides by the std; --advantage_estimator "
                                   "dr_grpo is the group mean alone",
-    "reward.overlong_buffer_len": _SHAPING,
-    "reward.overlong_penalty_factor": _SHAPING,
-    "reward.stop_properly_penalty_coef": _SHAPING,
     "reward.remote_url": "no remote or file reward here: --reward_fn module:function, or "
                          "--reward_pretrain DIR",
     "train.agent_func_path": "multi-turn agents are not here: one completion per sample, scored "

@@ -400,6 +400,19 @@ class GRPOConfig:
         "every forward call gathers the weights; --packing_samples forwards padding-free rows "
         "instead; a model under gradient checkpointing or without transformers' plain dynamic "
         "cache forwards per row)", None)
+    overlong_buffer_len: float | None = doc(
+        "GRPO/PPO: DAPO's soft overlong punishment: a completion longer than max_new_tokens less "
+        "this many tokens loses overlong_penalty_factor x its excess (at most this) / this from "
+        "its reward (OpenRLHF's --reward.overlong_buffer_len; None: off)", None)
+    overlong_penalty_factor: float = doc("GRPO/PPO: the largest overlong penalty", 1.0)
+    stop_properly_penalty_coef: float | None = doc(
+        "GRPO/PPO: a completion cut at max_new_tokens without its end token gets its reward "
+        "times this (in [0, 1]), or this value when negative, e.g. -0.5 (ProRL; OpenRLHF's "
+        "--reward.stop_properly_penalty_coef; None: off); after the overlong penalty", None)
+    mask_truncated_completions: bool = doc(
+        "GRPO/PPO: completions cut at max_new_tokens train nothing (no loss, KL or value loss; "
+        "not counted in the token means) while their rewards still count in their group's "
+        "baseline (TRL's mask_truncated_completions)", False)
     gamma: float = doc("GRPO/PPO: discount of per-token returns (< 1: each token's advantage is "
                        "its discounted return, the outcome on the last token; OpenRLHF's gamma)",
                        1.0)
@@ -418,6 +431,19 @@ class GRPOConfig:
         """Whether advantages are per token (a KL in the reward, a discount, or GAE) rather
         than one per completion."""
         return self.kl_in_reward or self.gamma < 1 or self.advantage_estimator == "gae"
+
+    def _check_length_shaping(self) -> None:
+        """The length penalties' ranges (OpenRLHF's asserts, as one-line refusals)."""
+        buffer = self.overlong_buffer_len
+        if buffer is not None and not 0 < buffer <= self.max_new_tokens:
+            fail("overlong_buffer_len", buffer, f"use 1 to max_new_tokens={self.max_new_tokens} "
+                 "tokens")
+        if self.overlong_penalty_factor < 0:
+            fail("overlong_penalty_factor", self.overlong_penalty_factor, "use a penalty >= 0")
+        coef = self.stop_properly_penalty_coef
+        if coef is not None and coef > 1:
+            fail("stop_properly_penalty_coef", coef, "use a factor in [0, 1], or a negative "
+                 "reward for cut completions, e.g. -0.5")
 
     def _check_policy_loss(self) -> None:
         """The loss type's own refusals; ``policy_loss_agg`` resolved from it when unset."""
@@ -495,6 +521,7 @@ class GRPOConfig:
         if not 0 < self.gamma <= 1:
             fail("gamma", self.gamma, "use a discount in (0, 1], e.g. 1.0")
         self._check_policy_loss()
+        self._check_length_shaping()
         for name, allowed in (("advantage_estimator", self.estimators),
                               ("policy_loss_agg", POLICY_LOSS_AGGS),
                               ("kl_estimator", KL_ESTIMATORS),

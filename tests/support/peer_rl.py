@@ -176,3 +176,29 @@ def trl_per_token_loss(per_token_logps, old_per_token_logps, advantages, mask, l
     if loss_type == "grpo":
         return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)  # cispo, dapo
+
+
+def apply_length_penalties(rewards, response_length, truncated, max_new_tokens,
+                           overlong_buffer_len=None, overlong_penalty_factor=1.0,
+                           stop_properly_penalty_coef=None):
+    """``openrlhf/trainer/ppo_utils/length_penalty.py``'s ``apply_overlong_penalty`` then
+    ``apply_stop_properly_penalty`` (``apply_length_penalties``' order) on one experience's
+    rewards, row by row as there; returns the rewards and each penalty's count."""
+    rewards, counts = rewards.clone(), [0, 0]
+    if overlong_buffer_len is not None:
+        expected_len = max_new_tokens - overlong_buffer_len
+        for j in range(len(response_length)):
+            valid_response_length = response_length[j].item()
+            exceed_len = min(valid_response_length - expected_len, overlong_buffer_len)
+            if exceed_len > 0:
+                rewards[j] += -exceed_len / overlong_buffer_len * overlong_penalty_factor
+                counts[0] += 1
+    if stop_properly_penalty_coef is not None:
+        for j in range(len(truncated)):
+            if truncated[j].item():
+                if stop_properly_penalty_coef < 0:
+                    rewards[j] = stop_properly_penalty_coef
+                else:
+                    rewards[j] = rewards[j] * stop_properly_penalty_coef
+                counts[1] += 1
+    return rewards, counts

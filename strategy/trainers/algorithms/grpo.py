@@ -57,6 +57,7 @@ from strategy.trainers.losses import (
     discounted_returns,
     grpo_token_losses,
     kl_estimate,
+    length_shaped_rewards,
     outcome_advantages,
     outcome_token_rewards,
     padding_free,
@@ -327,11 +328,16 @@ class GRPOTrainer(Trainer):
         prompts = [p for p in batch["prompts"] for _ in range(g)]
         rows = [r for r in batch["rows"] for _ in range(g)]
         rewards = self._score(prompts, completions, self._texts(completions), rows)
+        truncated = torch.tensor([self._truncated(c) for c in completions])
+        rewards, shaped = self.shape_rewards(rewards, completions, truncated)
         prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
         micro = self.strategy.config.micro_train_batch_size
         batches = [self._micro_batch(prompt_ids[i:i + micro], completions[i:i + micro],
                                      rewards[i:i + micro], index=i // micro)
                    for i in range(0, len(completions), micro)]
+        if self.grpo.mask_truncated_completions:  # no loss on them; their rewards still count
+            for i, b in zip(range(0, len(completions), micro), batches):
+                b["trained"] = ~truncated[i:i + micro]
         if self.ref_model is not None:
             with torch.no_grad():
                 for b in batches:
@@ -346,11 +352,49 @@ class GRPOTrainer(Trainer):
         lengths = [len(c) for c in completions]
         metrics = {"reward": (rewards.sum().item(), rewards.numel()), "reward_std": (std, 1),
                    "completion_length": (float(sum(lengths)), len(lengths)),
-                   "generation_s": (time.perf_counter() - start, 1)}
+                   "truncated": (float(truncated.sum()), len(lengths)),
+                   "generation_s": (time.perf_counter() - start, 1), **shaped}
         if len(self._components) > 1:  # each reward of a weighted sum, on its own
             metrics.update({f"reward_{name}": (float(sum(scores)), len(scores))
                             for name, scores in self._components.items()})
         return batches, metrics
+
+    def _truncated(self, completion: list[int]) -> bool:
+        """Cut at ``max_new_tokens``: it did not end with the end-of-sequence token."""
+        return not completion or completion[-1] != self.tokenizer.eos_token_id
+
+    def shape_rewards(self, rewards: torch.Tensor, completions: list[list[int]],
+                      truncated: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The rollout's rewards after the length penalties (``--overlong_buffer_len``,
+        ``--stop_properly_penalty_coef``; ``losses.length_shaped_rewards``), before advantages.
+
+        Args:
+            rewards: one per completion, as the reward gave them.
+            completions: the completions' tokens.
+            truncated: which were cut at ``max_new_tokens``.
+
+        Returns:
+            The rewards to train on, and the penalties' counts as metrics.
+        """
+        g = self.grpo
+        lengths = torch.tensor([len(c) for c in completions])
+        return length_shaped_rewards(rewards, lengths, truncated, g.max_new_tokens,
+                                     g.overlong_buffer_len, g.overlong_penalty_factor,
+                                     g.stop_properly_penalty_coef)
+
+    def trained_mask(self, batch: dict, mask: torch.Tensor) -> torch.Tensor:
+        """``mask`` less the rows of completions that train nothing
+        (``--mask_truncated_completions``).
+
+        Args:
+            batch: a rollout micro-batch.
+            mask: its scored positions, rows x tokens.
+
+        Returns:
+            The positions the losses train and count.
+        """
+        trained = batch.get("trained")
+        return mask if trained is None else mask & trained.to(mask.device)[:, None]
 
     def advantages(self, batches: list[dict]) -> None:
         """The experience stage's last step: each micro-batch's ``advantages`` from its
@@ -432,11 +476,12 @@ class GRPOTrainer(Trainer):
     def loss_counts(self, batch: dict) -> dict[str, int]:
         if "prompt_ids" in batch:  # evaluation: prompts
             return {"samples": int(batch["prompt_ids"].shape[0])}
-        scored = scored_mask(batch).sum(dim=-1)
+        scored = self.trained_mask(batch, scored_mask(batch)).sum(dim=-1)
         return {"tokens": int(scored.sum()), "completions": int((scored > 0).sum())}
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
         logp, mask = token_logps(self.model, batch, self.grpo.temperature)  # the sampler's
+        mask = self.trained_mask(batch, mask)
         key = batch["rollout_index"]  # which micro-batch of the rollout
         if key not in self._old_logps:  # the rollout's first update: ratio 1 (kl_in_reward: the
             self._old_logps[key] = batch.get("old_logp", logp.detach())  # rollout's own pass)

@@ -217,6 +217,7 @@ class PPOTrainer(GRPOTrainer):
         """
         policy, metrics = super().compute_loss(batch)
         values, mask = token_values(self.critic, batch)
+        mask = self.trained_mask(batch, mask)
         losses, value_metrics = value_token_losses(values, batch["old_values"], batch["returns"],
                                                    mask, self.grpo.value_clip)
         return {"model": policy, CRITIC: self.aggregate(losses, mask)}, {**metrics,

@@ -12,6 +12,7 @@ from strategy.trainers.losses.advantages import (
     discounted_returns,
     gae,
     kl_estimate,
+    length_shaped_rewards,
     outcome_advantages,
     outcome_token_rewards,
     token_moments,
@@ -45,7 +46,8 @@ from strategy.trainers.losses.lm import (
 )
 
 __all__ = ["DPO_LOSSES", "ESTIMATORS", "IGNORE", "OUTCOME_ESTIMATORS", "discounted_returns",
-           "dpo_loss", "dpo_losses", "forward_inputs", "gae", "kl_estimate", "outcome_advantages",
+           "dpo_loss", "dpo_losses", "forward_inputs", "gae", "kl_estimate",
+           "length_shaped_rewards", "outcome_advantages",
            "outcome_token_rewards", "token_moments", "whiten",
            "group_advantages", "grpo_token_losses", "kto_losses", "last_attended", "orpo_losses",
            "padding_free", "pairwise_losses", "pairwise_metrics", "response_loss", "scored_mask",

@@ -124,3 +124,40 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
     if kind == "k3":
         return torch.exp(gap) - gap - 1
     raise ValueError(f"kl_estimator={kind!r}: use k1, k2 or k3")
+
+
+def length_shaped_rewards(rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor,
+                          max_new_tokens: int, overlong_buffer_len: float | None = None,
+                          overlong_penalty_factor: float = 1.0,
+                          stop_properly_penalty_coef: float | None = None,
+                          ) -> tuple[torch.Tensor, dict]:
+    """Rewards shaped by completion length, in OpenRLHF's order (``length_penalty.py``): DAPO's
+    soft overlong punishment, then ProRL's stop-properly penalty.
+
+    Args:
+        rewards: one reward per completion.
+        lengths: each completion's tokens (its end-of-sequence token included).
+        truncated: which completions stopped at ``max_new_tokens`` without ending.
+        max_new_tokens: the longest completion.
+        overlong_buffer_len: a completion longer than ``max_new_tokens`` less this loses
+            ``overlong_penalty_factor`` x its excess over it (at most this) / this (None: off).
+        overlong_penalty_factor: the largest overlong penalty.
+        stop_properly_penalty_coef: a truncated completion's reward times this (in [0, 1]), or
+            this value itself when negative (None: off).
+
+    Returns:
+        The shaped rewards, and the completions each penalty hit as (count, completions).
+    """
+    out, n = rewards.clone().float(), len(rewards)
+    hits = {}
+    if overlong_buffer_len is not None:
+        exceed = (lengths.float() - (max_new_tokens - overlong_buffer_len)).clamp(
+            max=overlong_buffer_len)
+        hit = exceed > 0
+        out = out + torch.where(hit, -exceed / overlong_buffer_len * overlong_penalty_factor, 0.0)
+        hits["overlong_penalized"] = (float(hit.sum()), n)
+    if stop_properly_penalty_coef is not None:
+        coef = stop_properly_penalty_coef
+        out = torch.where(truncated, torch.full_like(out, coef) if coef < 0 else out * coef, out)
+        hits["truncated_penalized"] = (float(truncated.sum()), n)
+    return out, hits
