@@ -123,6 +123,8 @@ CASES = [
      "sequence_parallel_size=2 is invalid: the model's 3 key/value heads neither divide by it"),
     ({"packing_samples": True, "model_config": "TOY/opt.json"},
      "packing_samples=True is invalid: model_type 'opt' does not find packed samples"),
+    ({"pack_dataset": True, "model_config": "TOY/opt.json"},
+     "pack_dataset=True is invalid: model_type 'opt' does not find packed samples"),
     ({"sequence_parallel_size": 2, "tensor_parallel_size": 2},
      "tensor_parallel_size=2 is invalid: tensor and sequence parallelism together"),
     ({"tensor_parallel_size": 2, "zero_stage": 3}, "tensor_parallel_size=2 is invalid: AutoTP "

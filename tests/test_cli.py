@@ -55,6 +55,8 @@ def test_each_trainer_parses_the_shared_configs_and_its_own_only():
     assert {"group_size", "reward_fn", "ref_offload", "input_key"} <= flag_names(
         TRAINERS["grpo"][0])
     assert len(CONFIG_CLASSES) == 7
+    from strategy.cli.main import COMMANDS as LAUNCHED
+    assert LAUNCHED == tuple(TRAINERS) == COMMANDS  # the launcher's quick list agrees
 
 
 def test_help_lists_the_trainers_and_each_trainers_flags_alone(capsys):
@@ -147,10 +149,10 @@ def _our_parser(command: str):
 
     from strategy.cli.trainers import TRAINERS
     from strategy.config.cli import add_config_args
-    from strategy.trainers.run import CONFIG_CLASSES, shared_flags
+    from strategy.trainers.run import CONFIG_CLASSES, hidden_flags
 
     trainer = TRAINERS[command][0]
-    hidden = frozenset(shared_flags(None) - shared_flags(trainer))
+    hidden = hidden_flags(trainer)
     parser = argparse.ArgumentParser()
     return add_config_args(parser, *CONFIG_CLASSES, *trainer.config_classes, hidden=hidden)
 

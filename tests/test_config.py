@@ -66,7 +66,7 @@ def test_every_shipped_config_loads():
     assert files, "configs/ must hold at least one YAML"
     from strategy.cli.trainers import TRAINERS
     from strategy.trainers import SFTTrainer
-    from strategy.trainers.run import CONFIG_CLASSES, foreign_flags, shared_flags
+    from strategy.trainers.run import CONFIG_CLASSES, foreign_flags, hidden_flags
 
     for path in files:
         first = open(path).readline()
@@ -75,7 +75,7 @@ def test_every_shipped_config_loads():
             f"{path}: no launch command")
         assert command is None or command.group(2) == Path(path).stem, path
         trainer = TRAINERS[command.group(1)][0] if command else SFTTrainer  # the default run
-        hidden = frozenset(shared_flags(None) - shared_flags(trainer))
+        hidden = hidden_flags(trainer)
         configs, _ = parse_configs(list(CONFIG_CLASSES) + list(trainer.config_classes),
                                    ["--config", path], foreign=foreign_flags(trainer),
                                    hidden=hidden)  # its trainer's keys only

@@ -7,28 +7,20 @@ from typing import Sequence
 
 from strategy.cli.dotted import dotted_argv
 from strategy.dist import install_one_line_errors
-from strategy.trainers import (
-    DPOTrainer,
-    GRPOTrainer,
-    KTOTrainer,
-    ORPOTrainer,
-    PPOTrainer,
-    RewardModelTrainer,
-    SFTTrainer,
-    SimPOTrainer,
-)
+from strategy.trainers.run import commands
 
-# command -> (trainer, one line for ``strategy --help``)
-TRAINERS = {
-    "sft": (SFTTrainer, "supervised fine-tuning on prompt/response or chat data"),
-    "rm": (RewardModelTrainer, "a reward model on preference pairs"),
-    "dpo": (DPOTrainer, "DPO (sigmoid, IPO, hinge, robust) against a frozen reference"),
-    "orpo": (ORPOTrainer, "ORPO: SFT plus an odds-ratio term, no reference"),
-    "simpo": (SimPOTrainer, "SimPO: length-normalised rewards, no reference"),
-    "kto": (KTOTrainer, "KTO on completions labelled desirable or not"),
-    "grpo": (GRPOTrainer, "GRPO, REINFORCE++, RLOO: online RL from rewards, no critic"),
-    "ppo": (PPOTrainer, "PPO with a critic (GAE): online RL"),
+SUMMARIES = {  # command -> one line for ``strategy --help``, in its order
+    "sft": "supervised fine-tuning on prompt/response or chat data",
+    "rm": "a reward model on preference pairs",
+    "dpo": "DPO (sigmoid, IPO, hinge, robust) against a frozen reference",
+    "orpo": "ORPO: SFT plus an odds-ratio term, no reference",
+    "simpo": "SimPO: length-normalised rewards, no reference",
+    "kto": "KTO on completions labelled desirable or not",
+    "grpo": "GRPO, REINFORCE++, RLOO: online RL from rewards, no critic",
+    "ppo": "PPO with a critic (GAE): online RL",
 }
+# command -> (trainer, summary): the built-in trainers by their ``Trainer.command``
+TRAINERS = {name: (commands()[name], about) for name, about in SUMMARIES.items()}
 
 
 def command_argv(argv: Sequence[str] | None,

@@ -22,6 +22,7 @@ import yaml
 from strategy.errors import ConfigError, fail
 
 CONFIG_FLAG = "config"  # --config FILE.yaml
+SHIPPED = Path(__file__).resolve().parents[1] / "configs"  # configs/, package data of the wheel
 
 
 def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
@@ -115,8 +116,7 @@ def shipped_configs() -> dict[str, str]:
     Returns:
         ``{name: path}``.
     """
-    folder = Path(__file__).resolve().parents[1] / "configs"
-    return {p.stem: str(p) for p in sorted(folder.glob("*.yaml"))} if folder.is_dir() else {}
+    return {p.stem: str(p) for p in sorted(SHIPPED.glob("*.yaml"))} if SHIPPED.is_dir() else {}
 
 
 def shipped_file(path: str) -> str:
@@ -129,7 +129,7 @@ def shipped_file(path: str) -> str:
     Returns:
         The path to read.
     """
-    shipped = Path(__file__).resolve().parents[1] / "configs" / os.path.basename(path)
+    shipped = SHIPPED / os.path.basename(path)
     return path if os.path.exists(path) or not shipped.is_file() else str(shipped)
 
 

@@ -128,9 +128,8 @@ class Run:
         argv = openrlhf_argv(list(sys.argv[1:] if argv is None else argv))
         foreign = foreign_flags(trainer) if foreign is None else foreign
         extra = tuple(getattr(trainer, "config_classes", ()))
-        hidden = frozenset(shared_flags(None) - shared_flags(trainer))  # other trainers' fields
         configs, namespace = parse_configs(list(CONFIG_CLASSES + extra), argv, parser, foreign,
-                                           hidden)
+                                           hidden_flags(trainer))
         by_type = {type(config): config for config in configs}
         model = by_type[ModelConfig]
         if model.model_config:  # a shipped config's model file, from any directory
@@ -316,8 +315,20 @@ def shared_flags(trainer: type | None) -> set[str]:
     """
     command = getattr(trainer, "command", None)
     return {f.name for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)
-            if command is None or f.metadata.get("trainers") in (None, ())
+            if command is None or f.metadata.get("trainers") is None
             or command in f.metadata["trainers"]}
+
+
+def hidden_flags(trainer: type | None) -> frozenset[str]:
+    """The shared fields ``trainer``'s command neither shows nor takes (other trainers' alone).
+
+    Args:
+        trainer: a ``Trainer`` subclass (None: none hidden).
+
+    Returns:
+        The field names.
+    """
+    return frozenset(shared_flags(None) - shared_flags(trainer))
 
 
 def flag_names(trainer: type | None) -> set[str]:
@@ -436,7 +447,8 @@ def check_model(model: ModelConfig, lora: LoraConfig, data_cfg: DataConfig,
         with torch.device("meta"):
             check_targets(AutoModelForCausalLM.from_config(config), lora.target_modules)
     if data_cfg.packed:
-        packing.check_packing_family(config.model_type)
+        packing.check_packing_family(config.model_type, "pack_dataset" if data_cfg.pack_dataset
+                                     else "packing_samples")
     if train is not None and train.aux_loss_coef > 0:
         check_router_loss(config, train)
     check_sequence_parallel(config, strategy.sequence_parallel_size)

@@ -16,7 +16,6 @@ from strategy.trainers.algorithms.preference import (
     pair_loss_counts,
     sequence_logps,
 )
-from strategy.trainers.algorithms.sft import refuse_router_loss
 from strategy.trainers.config import DPOConfig
 from strategy.trainers.data import PAIRS
 from strategy.trainers.loop import Trainer
@@ -48,7 +47,6 @@ class DPOTrainer(Trainer):
 
     @classmethod
     def check_settings(cls, configs: dict, world_size: int) -> None:
-        refuse_router_loss(configs, cls.__name__)
         check_reference_source(configs)
 
     def __init__(self, strategy, model, ref_model, optimizer, scheduler, train_dataloader,

@@ -47,7 +47,6 @@ from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.model import base_model
 from strategy.trainers.algorithms.rewards import load_reward_fn
-from strategy.trainers.algorithms.sft import refuse_router_loss
 from strategy.trainers.config import DataConfig, GRPOConfig, ModelConfig, TrainConfig
 from strategy.trainers.data import PROMPTS
 from strategy.trainers.data.spec import prompts_per_rank
@@ -151,7 +150,6 @@ class GRPOTrainer(Trainer):
             ConfigError: a setting GRPO cannot run with.
         """
         grpo, model = configs[cls.config_classes[0]], configs[ModelConfig]
-        refuse_router_loss(configs, cls.__name__)
         if configs[DataConfig].streaming:
             fail("streaming", True, "GRPO's prompts are read whole; drop --streaming")
         if configs[DataConfig].pack_dataset:
@@ -299,10 +297,8 @@ class GRPOTrainer(Trainer):
                rows: list[dict]) -> torch.Tensor:
         """Rewards of decoded completions; a reward model also learns which ended with EOS (it
         scores them at its own EOS, where it was trained)."""
-        args = ()
-        if getattr(self.reward, "scores_eos", False):
-            eos = self.tokenizer.eos_token_id
-            args = ([bool(c) and c[-1] == eos for c in completions],)
+        args = ([not cut for cut in self._truncated(completions)],) if getattr(
+            self.reward, "scores_eos", False) else ()
         rewards = self.strategy.checked(self.reward, prompts, texts, rows, *args)  # every rank
         self._components = dict(getattr(self.reward, "last", {}))
         return torch.tensor(rewards, dtype=torch.float32)
@@ -328,7 +324,7 @@ class GRPOTrainer(Trainer):
         prompts = [p for p in batch["prompts"] for _ in range(g)]
         rows = [r for r in batch["rows"] for _ in range(g)]
         rewards = self._score(prompts, completions, self._texts(completions), rows)
-        truncated = torch.tensor([self._truncated(c) for c in completions])
+        truncated = torch.tensor(self._truncated(completions))
         rewards, shaped = self.shape_rewards(rewards, completions, truncated)
         prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
         micro = self.strategy.config.micro_train_batch_size
@@ -359,9 +355,11 @@ class GRPOTrainer(Trainer):
                             for name, scores in self._components.items()})
         return batches, metrics
 
-    def _truncated(self, completion: list[int]) -> bool:
-        """Cut at ``max_new_tokens``: it did not end with the end-of-sequence token."""
-        return not completion or completion[-1] != self.tokenizer.eos_token_id
+    def _truncated(self, completions: list[list[int]]) -> list[bool]:
+        """Which were cut at ``max_new_tokens``: they do not end with the end-of-sequence
+        token."""
+        eos = self.tokenizer.eos_token_id
+        return [not c or c[-1] != eos for c in completions]
 
     def shape_rewards(self, rewards: torch.Tensor, completions: list[list[int]],
                       truncated: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -23,7 +23,6 @@ from strategy.trainers.algorithms.preference import (
     check_reference_source,
     sequence_logps,
 )
-from strategy.trainers.algorithms.sft import refuse_router_loss
 from strategy.trainers.config import DataConfig, KTOConfig
 from strategy.trainers.data import UNPAIRED
 from strategy.trainers.data.unpaired import check_first_row, mismatched
@@ -68,7 +67,6 @@ class KTOTrainer(Trainer):
                 cannot build.
             DataError: the data's first row has no label (nor a preference pair).
         """
-        refuse_router_loss(configs, cls.__name__)
         check_reference_source(configs)
         sequence = configs[StrategyConfig].sequence_parallel_size
         if sequence > 1:

@@ -18,7 +18,6 @@ import torch
 from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.log import get_logger
-from strategy.trainers.algorithms.sft import refuse_router_loss
 from strategy.trainers.config import LoraConfig, ModelConfig, ORPOConfig, SimPOConfig
 from strategy.trainers.data import PAIRS
 from strategy.trainers.data.packing import pair_count, per_sample_sums
@@ -148,7 +147,6 @@ class ReferenceFreeTrainer(Trainer):
 
     @classmethod
     def check_settings(cls, configs: dict, world_size: int) -> None:
-        refuse_router_loss(configs, cls.__name__)
         refuse_reference(configs, cls.__name__)
 
     def __init__(self, strategy, model, *args, **kwargs) -> None:

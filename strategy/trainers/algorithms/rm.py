@@ -8,7 +8,6 @@ import torch
 
 from strategy.config import StrategyConfig
 from strategy.errors import fail
-from strategy.trainers.algorithms.sft import refuse_router_loss
 from strategy.trainers.config import RewardConfig
 from strategy.trainers.data import PAIRS
 from strategy.trainers.data.packing import pair_count
@@ -53,7 +52,6 @@ class RewardModelTrainer(Trainer):
             ConfigError: ``sequence_parallel_size`` > 1.
         """
         _refuse_sequence_parallel(configs[StrategyConfig].sequence_parallel_size)
-        refuse_router_loss(configs, cls.__name__)
 
     def __init__(self, strategy, *args, **kwargs) -> None:
         _refuse_sequence_parallel(strategy.config.sequence_parallel_size)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from strategy.errors import fail
-from strategy.trainers.config import TrainConfig
 from strategy.trainers.data import SFT
 from strategy.trainers.loop import Trainer
 from strategy.trainers.losses import IGNORE, forward_inputs, response_loss, tiled_loss_sum
@@ -17,14 +15,6 @@ __all__ = ["SFTTrainer", "response_loss", "response_tokens"]
 def response_tokens(labels: torch.Tensor) -> int:
     """Tokens a causal LM is scored on: labels after the first position that are not -100."""
     return int((labels[:, 1:] != IGNORE).sum())
-
-
-def refuse_router_loss(configs: dict, trainer: str) -> None:
-    """``--aux_loss_coef`` is SFT's; another trainer refuses it rather than ignore it."""
-    coef = configs[TrainConfig].aux_loss_coef
-    if coef:
-        fail("aux_loss_coef", coef, f"the MoE router loss is added by SFT here, not by "
-             f"{trainer}; set 0")
 
 
 class SFTTrainer(Trainer):

@@ -29,10 +29,11 @@ PACKING_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3"
                     "granite", "cohere", "stablelm")
 
 
-def check_packing_family(model_type: str | None) -> None:
-    """Refuse packing for a model family whose attention ignores packed position ids."""
+def check_packing_family(model_type: str | None, flag: str = "packing_samples") -> None:
+    """Refuse packing (``flag``: ``packing_samples`` or ``pack_dataset``) for a model family
+    whose attention ignores packed position ids."""
     if model_type not in PACKING_FAMILIES:
-        fail("packing_samples", True, f"model_type {model_type!r} does not find packed samples "
+        fail(flag, True, f"model_type {model_type!r} does not find packed samples "
              f"from position ids; use one of {', '.join(PACKING_FAMILIES)}, or no packing")
 
 

@@ -83,9 +83,10 @@ class DataSpec:
         Raises:
             ConfigError: ``--packing_samples`` for data that cannot be packed.
         """
-        if cfg.packing_samples and self.collate_micro is None:
-            fail("packing_samples", True, "this trainer's data cannot be packed; drop the flag")
         if cfg.packing_samples:
+            if self.collate_micro is None:
+                fail("packing_samples", True, "this trainer's data cannot be packed; drop the "
+                     "flag")
             return self.collate_micro(pad_id)
         return (self.collate_packed if cfg.pack_dataset else self.collate)(pad_id)
 
