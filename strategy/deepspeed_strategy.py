@@ -310,12 +310,23 @@ class DeepSpeedStrategy:
         """Collective: every rank's ``data``.
 
         Args:
-            data: a picklable object or a tensor.
+            data: a tensor, a number, or a dict of them.
 
         Returns:
-            A list in rank order (tensors: concatenated along dim 0).
+            Tensors concatenated along dim 0, numbers as a list in rank order (a dict of those).
         """
         return dist.all_gather(data)
+
+    def all_gather_object(self, obj: Any) -> list:
+        """Collective: every rank's picklable ``obj`` (token lists, rows...), in rank order.
+
+        Args:
+            obj: any picklable object.
+
+        Returns:
+            One per rank.
+        """
+        return dist.all_gather_object(obj)
 
     @property
     def ds_config(self) -> dict:

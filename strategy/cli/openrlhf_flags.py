@@ -170,6 +170,9 @@ DOTTED: dict[str, tuple[str, ...]] = {
     # this flag a GRPO command wants --kl_in_reward
     "algo.kl.use_loss": ("--no-kl_in_reward",),
     # DAPO's overlong punishment and ProRL's stop-properly penalty, both, in OpenRLHF's order
+    "algo.dynamic_filtering_enable": ("--dynamic_filtering",),  # OpenRLHF samples on until
+    # the batch is full or the data runs out; here at most --max_sampling_rounds (default 10)
+    "algo.dynamic_filtering_range": ("--dynamic_filtering_range", "{}", "{}"),
     "reward.overlong_buffer_len": ("--overlong_buffer_len", "{}"),
     "reward.overlong_penalty_factor": ("--overlong_penalty_factor", "{}"),
     "reward.stop_properly_penalty_coef": ("--stop_properly_penalty_coef", "{}"),
@@ -323,10 +326,6 @@ REFUSED: dict[str, str] = {
                              "by --reward_fn",
     "data.label_key": "reward functions get the whole row (f(prompt, completion, row)): read the "
                       "label there; --output_key is the eval exact_match answer",
-    "algo.dynamic_filtering_enable": "no dynamic filtering of uniform-reward groups here; every "
-                                     "group trains",
-    "algo.dynamic_filtering_range": "no dynamic filtering of uniform-reward groups here; every "
-                                    "group trains",
     "eval.temperature": "held-out prompts are decoded greedily here, one completion each",
     "eval.n_samples_per_prompt": "held-out prompts are decoded greedily here, one completion each",
     # ---- vision-language

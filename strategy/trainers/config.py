@@ -413,6 +413,18 @@ class GRPOConfig:
         "GRPO/PPO: completions cut at max_new_tokens train nothing (no loss, KL or value loss; "
         "not counted in the token means) while their rewards still count in their group's "
         "baseline (TRL's mask_truncated_completions)", False)
+    dynamic_filtering: bool = doc(
+        "GRPO/PPO: DAPO's dynamic sampling: a group whose mean reward (the reward's own, before "
+        "length shaping) is not strictly inside --dynamic_filtering_range is dropped and more "
+        "prompts are sampled until the step's train_batch_size completions are full (OpenRLHF's "
+        "--algo.dynamic_filtering_enable); the step count stays as planned, the extra prompts "
+        "come from the data's next shuffles", False)
+    dynamic_filtering_range: tuple[float, float] = doc(
+        "GRPO/PPO: LO HI: groups whose mean reward r has LO < r < HI are kept", (0.0, 1.0))
+    max_sampling_rounds: int = doc(
+        "GRPO/PPO: with --dynamic_filtering, at most this many rounds of prompts per step; "
+        "short of a full step then, it trains on the kept groups (the rest is masked filler, "
+        "logged as filler_groups)", 10)
     gamma: float = doc("GRPO/PPO: discount of per-token returns (< 1: each token's advantage is "
                        "its discounted return, the outcome on the last token; OpenRLHF's gamma)",
                        1.0)
@@ -444,6 +456,17 @@ class GRPOConfig:
         if coef is not None and coef > 1:
             fail("stop_properly_penalty_coef", coef, "use a factor in [0, 1], or a negative "
                  "reward for cut completions, e.g. -0.5")
+
+    def _check_dynamic_filtering(self) -> None:
+        """The filter's range and rounds (OpenRLHF's asserts, as one-line refusals)."""
+        low, high = self.dynamic_filtering_range
+        if not low < high:
+            fail("dynamic_filtering_range", f"{low} {high}", "give LO < HI, e.g. 0 1")
+        if self.max_sampling_rounds < 1:
+            fail("max_sampling_rounds", self.max_sampling_rounds, "use at least 1 round, e.g. 10")
+        if self.dynamic_filtering and self.group_size < 2:
+            fail("dynamic_filtering", True, "it filters groups by their mean reward; use "
+                 "--group_size 2 or more")
 
     def _check_policy_loss(self) -> None:
         """The loss type's own refusals; ``policy_loss_agg`` resolved from it when unset."""
@@ -522,6 +545,7 @@ class GRPOConfig:
             fail("gamma", self.gamma, "use a discount in (0, 1], e.g. 1.0")
         self._check_policy_loss()
         self._check_length_shaping()
+        self._check_dynamic_filtering()
         for name, allowed in (("advantage_estimator", self.estimators),
                               ("policy_loss_agg", POLICY_LOSS_AGGS),
                               ("kl_estimator", KL_ESTIMATORS),

@@ -202,3 +202,14 @@ def apply_length_penalties(rewards, response_length, truncated, max_new_tokens,
                     rewards[j] = rewards[j] * stop_properly_penalty_coef
                 counts[1] += 1
     return rewards, counts
+
+
+def dynamic_filter_keeps(scores: list[list[float]], dynamic_filtering_range) -> list[bool]:
+    """``SamplesGenerator._generate_vllm``'s filter (``ppo_utils/samples_generator.py``): a
+    prompt's experiences are dropped when ``not (min_r < avg_reward < max_r)``."""
+    out = []
+    for group in scores:
+        avg_reward = sum(group) / len(group)
+        min_r, max_r = dynamic_filtering_range
+        out.append(not (not (min_r < avg_reward < max_r)))
+    return out

@@ -42,3 +42,10 @@ def hanging_on_rank_1(prompt: str, completion: str, row: dict) -> float:
     if os.environ.get("RANK") == "1":
         time.sleep(120)
     return 1.0
+
+
+def uniform_or_parity(prompt: str, completion: str, row: dict) -> float:
+    """Two prompts in three get one score whatever the completion (1.0 or 0.0: a group with no
+    signal, which dynamic sampling drops); the third the completion length's parity."""
+    kind = len(row["input"]) % 3
+    return 1.0 if kind == 0 else 0.0 if kind == 1 else float(len(completion) % 2)

@@ -28,9 +28,16 @@ would not fit in a rank's free memory); ``layer`` runs DeepSpeed's partitioned f
 per layer per generated token, ``synced_gpus`` keeping ranks in step), bounded by ZeRO-3's memory
 budget however large the model.
 
-Sampling draws from a generator seeded by (seed, step, rank), so a resumed run samples exactly
-what the uninterrupted one did; checkpoints fall between rollouts (``save_steps`` a multiple of
-``ppo_epochs``). Optimizer steps are the loop's steps: a rollout spans ``ppo_epochs`` of them.
+With ``--dynamic_filtering`` (DAPO's dynamic sampling, ``groups``) a rollout keeps only groups
+whose mean reward lies strictly inside ``--dynamic_filtering_range`` and samples more rounds of
+prompts until the step is full (at most ``--max_sampling_rounds``); the kept groups of every rank
+are pooled and dealt out alike, so every rank trains the same number of micro-batches.
+
+Sampling draws from a generator seeded by (seed, step, rank, round), so a resumed run samples
+exactly what the uninterrupted one did; prompts come from a cursor of rounds drawn
+(``next_prompts``), saved with each checkpoint. Checkpoints fall between rollouts
+(``save_steps`` a multiple of ``ppo_epochs``). Optimizer steps are the loop's steps: a rollout
+spans ``ppo_epochs`` of them.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from transformers import GenerationConfig
 from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.model import base_model
+from strategy.trainers.algorithms.groups import Sampled, deal, informative
 from strategy.trainers.algorithms.rewards import load_reward_fn
 from strategy.trainers.config import DataConfig, GRPOConfig, ModelConfig, TrainConfig
 from strategy.trainers.data import PROMPTS
@@ -90,12 +98,14 @@ def check_grpo(strategy_config: Any, train: Any, grpo: GRPOConfig, max_len: int,
 
 
 @contextmanager
-def sampling_rng(seed: int, step: int, rank: int) -> Iterator[None]:
-    """The global RNGs, seeded by (seed, step, rank) inside the block and as before after it."""
+def sampling_rng(seed: int, step: int, rank: int, round_: int = 0) -> Iterator[None]:
+    """The global RNGs, seeded by (seed, step, rank, sampling round) inside the block and as
+    before after it."""
     accelerator = get_accelerator()
     devices = [] if accelerator.device_name() == "cpu" else [accelerator.current_device()]
     with torch.random.fork_rng(devices=devices, device_type=accelerator.device_name()):
-        torch.manual_seed((seed * 1_000_003 + step) * 1_009 + rank)
+        base = (seed * 1_000_003 + step) * 1_009 + rank
+        torch.manual_seed(base if not round_ else (base * 7_919 + round_) % 2**63)
         if devices:
             accelerator.manual_seed(torch.initial_seed())
         yield
@@ -185,6 +195,7 @@ class GRPOTrainer(Trainer):
         self.rollouts = strategy.rollout_engine(self.model, grpo.rollout_gather)
         self._components: dict[str, list[float]] = {}  # the latest rollout's scores by reward
         self._synced_at: int | None = None  # the global step the rollout engine's weights are of
+        self._rounds_drawn = 0  # rounds of prompts drawn so far (the prompt cursor)
 
     # ------------------------------------------------------------ plan and resume
     @classmethod
@@ -229,7 +240,7 @@ class GRPOTrainer(Trainer):
         return self.plan(self.strategy, len(self.train_dataloader.dataset), self.cfg, self.grpo)
 
     def resume_position(self, state) -> tuple[int, int]:
-        """Resume between rollouts; the prompt sampler is placed by rollouts done.
+        """Resume between rollouts (the prompt cursor came back with ``load_checkpoint_state``).
 
         Args:
             state: the strategy's ``ResumeState`` (unused: ``global_step`` places the run).
@@ -238,10 +249,46 @@ class GRPOTrainer(Trainer):
             ``(epoch, optimizer steps of that epoch already done)``.
         """
         ppo = self.grpo.ppo_epochs
-        epoch, within = divmod(self.global_step // ppo, self.step_plan.steps_per_epoch // ppo)
-        consumed = within * self.per_rank * self.strategy.data_parallel_size
-        self.train_dataloader.sampler.load_state_dict({"epoch": epoch, "consumed": consumed})
+        epoch, within = divmod(self.global_step // ppo, self._rounds_per_epoch)
         return epoch, within * ppo
+
+    def checkpoint_state(self) -> dict:
+        """The prompt cursor: rounds of prompts drawn (more than rollouts with
+        ``--dynamic_filtering``).
+
+        Returns:
+            ``{"prompt_rounds": n}``.
+        """
+        return {"prompt_rounds": self._rounds_drawn}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """The prompt cursor back (a checkpoint without one: one round per rollout done).
+
+        Args:
+            state: what ``checkpoint_state`` saved.
+        """
+        self._rounds_drawn = int(state.get("prompt_rounds",
+                                           self.global_step // self.grpo.ppo_epochs))
+
+    @property
+    def _rounds_per_epoch(self) -> int:
+        return max(self.step_plan.steps_per_epoch // self.grpo.ppo_epochs, 1)
+
+    def next_prompts(self) -> dict:
+        """This rank's share of the next round of prompts (a round: one rollout's prompts on
+        every rank), from the cursor: round ``n`` is round ``n mod rounds_per_epoch`` of the
+        data's shuffle for epoch ``n // rounds_per_epoch``, so extra rounds (dynamic sampling)
+        carry on into the next shuffles.
+
+        Returns:
+            The collated prompt batch.
+        """
+        epoch, within = divmod(self._rounds_drawn, self._rounds_per_epoch)
+        per_round = self.per_rank * self.strategy.data_parallel_size
+        self.train_dataloader.sampler.load_state_dict({"epoch": epoch,
+                                                       "consumed": within * per_round})
+        self._rounds_drawn += 1
+        return next(iter(self.train_dataloader))
 
     # ------------------------------------------------------------ rollout
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -303,10 +350,66 @@ class GRPOTrainer(Trainer):
         self._components = dict(getattr(self.reward, "last", {}))
         return torch.tensor(rewards, dtype=torch.float32)
 
+    def sample(self, batch: dict, round_: int = 0) -> Sampled:
+        """``group_size`` completions of each of this rank's prompts, scored (every rank calls
+        this alike).
+
+        Args:
+            batch: this rank's prompts (``prompt_ids``, ``prompt_mask``, ``prompts``, ``rows``).
+            round_: the step's sampling round (a fresh draw of the step's generator for each).
+
+        Returns:
+            The ``Sampled`` groups.
+        """
+        g = self.grpo.group_size
+        ids = batch["prompt_ids"].repeat_interleave(g, dim=0).to(self.model.device)
+        mask = batch["prompt_mask"].repeat_interleave(g, dim=0).to(self.model.device)
+        with sampling_rng(self.strategy.config.seed, self.global_step, self.strategy.rank,
+                          round_):
+            completions = self._completions(self.generate(ids, mask, sample=True,
+                                                          group=g).cpu())
+        prompts = [p for p in batch["prompts"] for _ in range(g)]
+        rows = [r for r in batch["rows"] for _ in range(g)]
+        scores = self._score(prompts, completions, self._texts(completions), rows)
+        prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
+        return Sampled(prompt_ids, completions, scores.tolist(), prompts, rows,
+                       {k: list(v) for k, v in self._components.items()})
+
+    def filtered_sample(self, batch: dict) -> tuple[Sampled, int, dict]:
+        """DAPO's dynamic sampling: rounds of prompts until every rank's share of kept groups
+        is full, or ``max_sampling_rounds`` (``groups``: the pool, dealt out in one order).
+
+        Args:
+            batch: this rank's first round of prompts.
+
+        Returns:
+            ``(this rank's groups, how many at their end are filler, metrics)``.
+        """
+        g = self.grpo
+        target = self.per_rank * self.strategy.data_parallel_size
+        pool: list[Sampled] = []
+        for round_ in range(g.max_sampling_rounds):
+            if round_:
+                batch = self.next_prompts()
+            groups = self.sample(batch, round_).split(g.group_size)
+            kept = [x for x, keep in zip(groups, informative(groups, *g.dynamic_filtering_range))
+                    if keep]
+            pool += [x for part in self.strategy.all_gather_object(kept)
+                     for x in part]  # rank order
+            if len(pool) >= target:
+                break
+        sampled, filler = deal(pool, self.per_rank, self.strategy.data_parallel_rank, groups)
+        rounds = round_ + 1
+        metrics = {"sampling_rounds": (float(rounds), 1),
+                   "dynamic_filtering_pass_rate": (100.0 * len(pool) / (rounds * target), 1),
+                   "filler_groups": (float(max(target - len(pool), 0)), 1)}  # every rank's
+        return sampled, filler, metrics
+
     def rollout(self, batch: dict) -> tuple[list[dict], dict]:
         """The experience stage: this rank's micro-batches of completions with their rewards,
         reference log-probs and advantages (``advantages``), and the rollout's metrics as
-        (sum, count) pairs.
+        (sum, count) pairs. With ``--dynamic_filtering`` the completions are those of the kept
+        groups (``filtered_sample``).
 
         Args:
             batch: this rank's prompts (``prompt_ids``, ``prompt_mask``, ``prompts``, ``rows``).
@@ -315,45 +418,66 @@ class GRPOTrainer(Trainer):
             ``(micro-batches, metrics)``.
         """
         start = time.perf_counter()
-        g = self.grpo.group_size
-        ids = batch["prompt_ids"].repeat_interleave(g, dim=0).to(self.model.device)
-        mask = batch["prompt_mask"].repeat_interleave(g, dim=0).to(self.model.device)
-        with sampling_rng(self.strategy.config.seed, self.global_step, self.strategy.rank):
-            completions = self._completions(self.generate(ids, mask, sample=True,
-                                                          group=g).cpu())
-        prompts = [p for p in batch["prompts"] for _ in range(g)]
-        rows = [r for r in batch["rows"] for _ in range(g)]
-        rewards = self._score(prompts, completions, self._texts(completions), rows)
+        filler, metrics = 0, {}
+        if self.grpo.dynamic_filtering:
+            sampled, filler, metrics = self.filtered_sample(batch)
+        else:
+            sampled = self.sample(batch)
+        self._components = sampled.components
+        batches, more = self.experience(sampled, filler * self.grpo.group_size)
+        return batches, {**more, **metrics, "generation_s": (time.perf_counter() - start, 1)}
+
+    def experience(self, sampled: Sampled, filler: int = 0) -> tuple[list[dict], dict]:
+        """Micro-batches of ``sampled`` with shaped rewards, reference log-probs and
+        advantages; its metrics.
+
+        Args:
+            sampled: this rank's completions for the step.
+            filler: how many at its end train nothing (a short dynamic-sampling step).
+
+        Returns:
+            ``(micro-batches, metrics)``.
+        """
+        completions = sampled.completions
         truncated = torch.tensor(self._truncated(completions))
+        rewards = torch.tensor(sampled.scores, dtype=torch.float32)
         rewards, shaped = self.shape_rewards(rewards, completions, truncated)
-        prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
-        micro = self.strategy.config.micro_train_batch_size
-        batches = [self._micro_batch(prompt_ids[i:i + micro], completions[i:i + micro],
-                                     rewards[i:i + micro], index=i // micro)
-                   for i in range(0, len(completions), micro)]
+        trained = torch.arange(len(completions)) < len(completions) - filler
         if self.grpo.mask_truncated_completions:  # no loss on them; their rewards still count
-            for i, b in zip(range(0, len(completions), micro), batches):
-                b["trained"] = ~truncated[i:i + micro]
+            trained &= ~truncated
+        micro = self.strategy.config.micro_train_batch_size
+        batches = []
+        for i in range(0, len(completions), micro):
+            b = self._micro_batch(sampled.prompt_ids[i:i + micro], completions[i:i + micro],
+                                  rewards[i:i + micro], index=i // micro)
+            if not trained[i:i + micro].all():
+                b["trained"] = trained[i:i + micro]
+            batches.append(b)
         if self.ref_model is not None:
             with torch.no_grad():
                 for b in batches:
                     b["ref_logp"] = token_logps(self.ref_model, self.to_device(b),
                                                self.grpo.temperature)[0].cpu()
         self.advantages(batches)
+        real = slice(0, len(completions) - filler)  # the filler's figures are not the step's
+        return batches, self._rollout_metrics(rewards[real], completions[real],
+                                              truncated[real], shaped)
+
+    def _rollout_metrics(self, rewards: torch.Tensor, completions: list[list[int]],
+                         truncated: torch.Tensor, shaped: dict) -> dict:
         stats = self.strategy.all_reduce({"sum": rewards.sum().item(),
                                           "sq": rewards.pow(2).sum().item(),
                                           "n": float(rewards.numel())}, op="sum")
-        mean = stats["sum"] / stats["n"]
-        std = max(stats["sq"] / stats["n"] - mean**2, 0.0) ** 0.5
+        mean = stats["sum"] / max(stats["n"], 1)
+        std = max(stats["sq"] / max(stats["n"], 1) - mean**2, 0.0) ** 0.5
         lengths = [len(c) for c in completions]
         metrics = {"reward": (rewards.sum().item(), rewards.numel()), "reward_std": (std, 1),
                    "completion_length": (float(sum(lengths)), len(lengths)),
-                   "truncated": (float(truncated.sum()), len(lengths)),
-                   "generation_s": (time.perf_counter() - start, 1), **shaped}
+                   "truncated": (float(truncated.sum()), len(lengths)), **shaped}
         if len(self._components) > 1:  # each reward of a weighted sum, on its own
             metrics.update({f"reward_{name}": (float(sum(scores)), len(scores))
                             for name, scores in self._components.items()})
-        return batches, metrics
+        return metrics
 
     def _truncated(self, completions: list[list[int]]) -> list[bool]:
         """Which were cut at ``max_new_tokens``: they do not end with the end-of-sequence
@@ -412,7 +536,8 @@ class GRPOTrainer(Trainer):
                 r, mask, g.gamma))
             return
         if g.advantage_estimator in WHITENED:
-            lengths = torch.cat([scored_mask(b).sum(-1).float() for b in batches])
+            lengths = torch.cat([self.trained_mask(b, scored_mask(b)).sum(-1).float()
+                                 for b in batches])
             out = whiten(out, self.strategy.all_reduce(token_moments(out, lengths), op="sum"))
         for b, part in zip(batches, out.split([len(b["rewards"]) for b in batches])):
             b["advantages"] = part.clone()
@@ -445,7 +570,7 @@ class GRPOTrainer(Trainer):
                 rewards = rewards - g.kl_coef * kl_estimate(b["old_logp"], b["ref_logp"],
                                                             g.kl_estimator) * mask
             b["advantages"] = estimate(rewards, mask, b)
-            masks.append(mask)
+            masks.append(self.trained_mask(b, mask.bool()).float())
         if g.advantage_estimator in WHITENED:
             scored = torch.cat([b["advantages"][m.bool()] for b, m in zip(batches, masks)])
             moments = self.strategy.all_reduce(token_moments(scored, torch.ones_like(scored)),
@@ -521,9 +646,8 @@ class GRPOTrainer(Trainer):
         Yields:
             ``Step``: the rollout's micro-batches and metrics, ``ppo_epochs`` times per rollout.
         """
-        prompts = iter(self.train_dataloader)
         for _ in range(count // self.grpo.ppo_epochs):
-            batches, rollout_metrics = self.rollout(next(prompts))
+            batches, rollout_metrics = self.rollout(self.next_prompts())
             self._old_logps = {}
             for _ in range(self.grpo.ppo_epochs):
                 yield Step(batches, rollout_metrics)

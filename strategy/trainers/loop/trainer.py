@@ -33,6 +33,7 @@ from strategy.trainers.loop.steps import StepPlan, plan_steps, sample_count
 from strategy.trainers.loop.throughput import StepMeter
 
 MAIN = "model"  # the name of the engine every trainer has (``Trainer.model``)
+TRAINER_STATE = "trainer"  # the client_state key of ``Trainer.checkpoint_state()``
 log, eval_log = get_logger("checkpoint"), get_logger("eval")
 
 
@@ -77,6 +78,9 @@ class Trainer:
         ``resume_position(state) -> (epoch, steps done in it)``: where a resumed run continues
             (default: where DeepSpeed's sample count places ``train_dataloader``); trainers with
             ``resume_by_samples = False`` place their loader themselves here.
+        ``checkpoint_state() -> dict`` / ``load_checkpoint_state(state)``: the trainer's own
+            JSON-safe state (a prompt cursor...), saved with every checkpoint and given back on
+            resume before ``resume_position`` (default: none).
         ``on_step_end(metrics)``: called after every optimizer step with its reduced metrics.
         ``check_settings(configs, world_size)`` (classmethod): refuse settings the trainer
             cannot run, before any process group starts (``Run.from_args(trainer=cls)``).
@@ -231,6 +235,22 @@ class Trainer:
             stream.resume_at(state.global_step * per_step)
             return 0, state.global_step
         return state.epoch, state.epoch_consumed // self.strategy.config.train_batch_size
+
+    def checkpoint_state(self) -> dict:
+        """The trainer's own state a resume needs, saved with every checkpoint (the same on
+        every rank; rank 0's is written).
+
+        Returns:
+            A JSON-safe dict; default ``{}``.
+        """
+        return {}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """Take back what ``checkpoint_state`` saved, on resume before ``resume_position``.
+
+        Args:
+            state: the dict saved (``{}`` from a checkpoint saved without one).
+        """
 
     def on_step_end(self, metrics: dict) -> None:
         """Called after every optimizer step with its metrics (reduced over ranks).
@@ -537,6 +557,7 @@ class Trainer:
             return
         metric = self._checkpoint_metric()
         path = self.strategy.save_ckpt(self.model, tag=tag, metric=metric,
+                                       client_state={TRAINER_STATE: self.checkpoint_state()},
                                        tokenizer=self.tokenizer, ema=self.ema)
         for name, engine in self._extra_engines():
             self.strategy.save_ckpt(engine, save_dir=_beside(self.strategy.checkpoint.ckpt_path,
@@ -577,6 +598,7 @@ class Trainer:
             self.strategy.load_ckpt(engine, _beside(self.strategy.checkpoint.ckpt_path, name),
                                     tag=state.tag)
         self.global_step = state.global_step
+        self.load_checkpoint_state(dict(loaded.client_state.get(TRAINER_STATE, {})))
         log.info("resumed %s at step %d", loaded.path, self.global_step)
         return self.resume_position(state)
 
