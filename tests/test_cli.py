@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("sft", "rm", "dpo", "orpo", "simpo", "kto", "grpo", "ppo")
+COMMANDS = ("sft", "rm", "dpo", "orpo", "simpo", "kto", "grpo", "ppo", "distill")
 
 
 def _flags_in_help(text: str) -> set[str]:
@@ -96,7 +96,7 @@ def test_a_foreign_flag_is_refused_in_one_line_naming_who_takes_it(tmp_path, mon
 
     base = ["--config", "sft_zero2", "--dataset", "missing.jsonl"]
     line = _one_line([sys.executable, "-m", "strategy.cli.train_sft", *base, "--beta", "0.1"])
-    assert line == "error: --beta is not a flag of sft; dpo takes it"
+    assert line == "error: --beta is not a flag of sft; distill and dpo take it"
     line = _one_line([sys.executable, "-m", "strategy.cli.main", "sft", "--nproc", "2", *base,
                       "--group_size", "4"])
     assert line == "error: --group_size is not a flag of sft; grpo and ppo take it"
@@ -113,7 +113,7 @@ def test_a_foreign_flag_is_refused_in_one_line_naming_who_takes_it(tmp_path, mon
             ("train_grpo", [*base, "--critic_learning_rate", "1e-5"],
              "--critic_learning_rate is not a flag of grpo; ppo takes it"),
             ("train_rm", [*base, "--messages_key", "chat"],
-             "--messages_key is not a flag of rm; sft takes it")]:
+             "--messages_key is not a flag of rm; distill and sft take it")]:
         with pytest.raises(ConfigError) as refused:
             load_example(script)(argv)
         assert str(refused.value) == message

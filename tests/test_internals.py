@@ -286,3 +286,29 @@ def test_restarted_adam_powers_make_a_reloaded_optimizer_continue_bit_for_bit(ki
         gaps[restart] = (param - resumed).abs().max().item()
     assert gaps[True] == 0.0, gaps
     assert gaps[False] > 0.0, "the running product no longer differs: the restart may be moot"
+
+
+def test_zero_optimizers_count_micro_steps_where_begin_submodule_forward_calls():
+    """``begin_submodule_forward`` calls ``clear_backward_seen_flag``: ZeRO-3 advances its
+    micro-step there (engine.forward calls it first thing), or gradients stop accumulating."""
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    assert "micro_step_id += 1" in inspect.getsource(
+        DeepSpeedZeroOptimizer_Stage3.clear_backward_seen_flag)
+    forward = DeepSpeedEngine.forward.__closure__[0].cell_contents  # under its nvtx wrapper
+    assert forward.__name__ == "forward"
+    assert "clear_backward_seen_flag()" in inspect.getsource(forward)
+
+    class Counting:
+        calls = 0
+
+        def clear_backward_seen_flag(self):
+            self.calls += 1
+
+    engine = type("Engine", (), {"optimizer": Counting()})()
+    internals.begin_submodule_forward(engine)
+    internals.begin_submodule_forward(nn.Linear(1, 1))  # no optimizer: nothing to do
+    assert engine.optimizer.calls == 1

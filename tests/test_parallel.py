@@ -153,19 +153,25 @@ def refused_resume(root: str, name: str) -> str:
     return "no error"
 
 
-TILED = [(2, 1), (3, 1), (3, 2)]  # (ZeRO stage, sequence-parallel size)
+TILED = [(2, 1, 1), (3, 1, 1), (3, 2, 1), (3, 1, 2), (3, 1, 2, True)]
+# (ZeRO stage, sequence-parallel size, accumulation steps[, small parameters kept whole])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,sp", TILED, ids=[f"zero{z}-sp{p}" for z, p in TILED])
-def test_tiled_logits_loss_equals_the_plain_loss(ranks, toy, stage, sp):
+@pytest.mark.parametrize("case", TILED, ids=["zero{}-sp{}-acc{}".format(*c) + "-persist" * (
+    len(c) > 3) for c in TILED])
+def test_tiled_logits_loss_equals_the_plain_loss(ranks, toy, case):
     """The same losses, grad norms and weights with the logits of 3 tokens at a time (every rank
-    running as many chunks as the longest, for ZeRO-3's gathers) or all at once."""
-    extra = {"zero_stage": stage}
-    if stage == 3:
+    running as many chunks as the longest, for ZeRO-3's gathers) or all at once; with gradient
+    accumulation too, where ZeRO-3 counts micro-steps in the engine's forward, which the tiled
+    loss calls around (it once kept only the last micro-batch's gradients)."""
+    stage, sp, accumulation = case[:3]
+    extra = {"zero_stage": stage, "micro_train_batch_size": 4 // (2 // sp) // accumulation}
+    if stage == 3 and len(case) == 3:  # every parameter partitioned: a gather per chunk
         extra["ds_config_overrides"] = json.dumps(
             {"zero_optimization": {"stage3_param_persistence_threshold": 0}})
-    names = (f"tile-off-{stage}-{sp}", f"tile-on-{stage}-{sp}")
+    names = (f"tile-off-{stage}-{sp}-{accumulation}{len(case)}",
+             f"tile-on-{stage}-{sp}-{accumulation}{len(case)}")
     plain = ranks.run(train, str(toy), names[0], sp, "sft", tiled_logits_loss=False, **extra)[0]
     tiled = ranks.run(train, str(toy), names[1], sp, "sft", tiled_logits_loss=True,
                       logits_chunk_size=3, **extra)[0]

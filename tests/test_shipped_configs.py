@@ -77,6 +77,7 @@ CONFIGS = [
     ("train_grpo", "configs/grpo_toy.yaml", ()),
     ("train_grpo", "configs/reinforce_pp_toy.yaml", ()),
     ("train_ppo", "configs/ppo_toy.yaml", ()),
+    ("train_distill", "configs/distill_toy.yaml", ("--teacher_pretrain", "TOY/model")),
 ]
 
 

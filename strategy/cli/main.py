@@ -15,7 +15,7 @@ import sys
 
 from strategy.errors import ConfigError, StrategyError
 
-COMMANDS = ("sft", "rm", "dpo", "orpo", "simpo", "kto", "grpo", "ppo")
+COMMANDS = ("sft", "rm", "dpo", "orpo", "simpo", "kto", "grpo", "ppo", "distill")
 CPU_RANKS = 2  # ranks on a machine without accelerators: the tested CPU setting
 LAUNCH_FLAGS = {"nproc": int, "master_port": int, "master_addr": str, "nnodes": int,
                 "node_rank": int}

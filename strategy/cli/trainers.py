@@ -18,6 +18,7 @@ SUMMARIES = {  # command -> one line for ``strategy --help``, in its order
     "kto": "KTO on completions labelled desirable or not",
     "grpo": "GRPO, REINFORCE++, RLOO: online RL from rewards, no critic",
     "ppo": "PPO with a critic (GAE): online RL",
+    "distill": "on-policy distillation (GKD) from a frozen teacher",
 }
 # command -> (trainer, summary): the built-in trainers by their ``Trainer.command``
 TRAINERS = {name: (commands()[name], about) for name, about in SUMMARIES.items()}

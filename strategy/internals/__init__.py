@@ -12,6 +12,7 @@ May import: ``strategy.errors`` only (layer 1: everything else imports it).
 """
 
 from strategy.internals.deepspeed import (
+    begin_submodule_forward,
     cpu_adam_op,
     deepspeed_config_keys,
     engine_counters,
@@ -42,7 +43,7 @@ from strategy.internals.deepspeed_files import (
 from strategy.internals.torch import default_store, non_persistent_buffers, norm_base_classes
 from strategy.internals.transformers import attn_implementation, set_attn_implementation
 
-__all__ = ["attn_implementation", "convert_to_universal", "cpu_adam_op",
+__all__ = ["attn_implementation", "begin_submodule_forward", "convert_to_universal", "cpu_adam_op",
            "deepspeed_checkpoint_globals", "deepspeed_config_keys", "default_store",
            "engine_counters", "engine_measures_grad_norm", "fit_ulysses_to_batch", "full_numel",
            "full_shape", "is_zero3_param", "local_partition", "multi_tensor_adam",

@@ -36,6 +36,21 @@ def engine_counters(engine: Any) -> tuple[int, int, int]:
     return int(engine.global_steps), int(engine.global_samples), int(engine.micro_steps)
 
 
+def begin_submodule_forward(engine: Any) -> None:
+    """What ``DeepSpeedEngine.forward`` does before the module's forward, for a forward that
+    calls a submodule directly (the backbone, then the output layer in chunks): ZeRO's
+    per-micro-batch bookkeeping. ZeRO-3 counts micro-steps in ``clear_backward_seen_flag``
+    (0.19.x); without it every micro-batch's gradients overwrite the last one's instead of
+    accumulating.
+
+    Args:
+        engine: a training engine (an eval engine or a bare module: nothing to do).
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    if hasattr(optimizer, "clear_backward_seen_flag"):
+        optimizer.clear_backward_seen_flag()
+
+
 def skipped_steps(engine: Any) -> int:
     """fp16 steps the loss scaler skipped (undocumented ``engine.skipped_steps``)."""
     return int(engine.skipped_steps)

@@ -16,6 +16,7 @@ reduces metrics and writes files on rank 0 only.
 """
 
 from strategy.trainers.algorithms import (
+    DistillationTrainer,
     DPOTrainer,
     GRPOTrainer,
     KTOTrainer,
@@ -27,6 +28,7 @@ from strategy.trainers.algorithms import (
 )
 from strategy.trainers.config import (
     DataConfig,
+    DistillConfig,
     DPOConfig,
     GRPOConfig,
     KTOConfig,
@@ -42,7 +44,8 @@ from strategy.trainers.data import DataSpec
 from strategy.trainers.loop import Step, Trainer
 from strategy.trainers.run import Run
 
-__all__ = ["DPOConfig", "DPOTrainer", "DataConfig", "DataSpec", "GRPOConfig", "GRPOTrainer",
+__all__ = ["DPOConfig", "DPOTrainer", "DataConfig", "DataSpec", "DistillConfig",
+           "DistillationTrainer", "GRPOConfig", "GRPOTrainer",
            "KTOConfig", "KTOTrainer", "LoraConfig", "ModelConfig", "ORPOConfig", "ORPOTrainer",
            "PPOConfig", "PPOTrainer",
            "RewardConfig", "RewardModelTrainer", "Run", "SFTTrainer", "SimPOConfig",

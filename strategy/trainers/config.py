@@ -14,7 +14,7 @@ OVERLONG = ("truncate", "drop", "error")
 # which trainer commands take a shared field that is not every trainer's (``doc(trainers=)``)
 REFERENCED = ("dpo", "kto", "grpo", "ppo")  # a frozen reference model
 PAIRED = ("rm", "dpo", "orpo", "simpo", "kto")  # preference pairs (KTO: as one of each)
-PROMPTED = ("sft", "grpo", "ppo")  # input/output rows
+PROMPTED = ("sft", "grpo", "ppo", "distill")  # input/output rows
 LOSS_WEIGHTINGS = ("step", "micro_batch")
 
 
@@ -71,7 +71,9 @@ class TrainConfig:
     tiled_logits_loss: bool | None = doc("compute the LM loss a chunk of tokens at a time, never "
                                          "holding all [tokens, vocab] logits (default: from a "
                                          "vocabulary of 65536 up)", None)
-    logits_chunk_size: int = doc("tokens per chunk of the tiled logits loss", 2048)
+    logits_chunk_size: int = doc("tokens per chunk of the tiled logits loss (distill: positions "
+                                 "of student and teacher logits per chunk, never [tokens, vocab] "
+                                 "whole)", 2048)
     peak_tflops: float | None = doc("accelerator peak TFLOPS per device for the logged MFU "
                                     "(default: known H100/H200/A100 bf16 figures; none on CPU)",
                                     None)
@@ -133,7 +135,7 @@ class DataConfig:
                          trainers=("kto",))
     messages_key: str = doc("SFT: field holding a chat (a list of role/content turns); rows with "
                             "it are rendered with the tokenizer's chat template", "messages",
-                            trainers=("sft",))
+                            trainers=("sft", "distill"))
     apply_chat_template: bool = doc("wrap prompts in the tokenizer's chat template", False)
     max_len: int = doc("longest sample in tokens", 512)
     overlong: str = doc("a sample longer than max_len: 'truncate', 'drop' (counted) or 'error'",
@@ -608,3 +610,43 @@ class PPOConfig(GRPOConfig):
         if self.value_clip is not None and self.value_clip <= 0:
             fail("value_clip", self.value_clip, "use a positive range, e.g. 0.5, or leave it unset")
         positive(self, "critic_learning_rate")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """On-policy distillation (GKD): the student learns the teacher's next-token distribution on
+    its own samples (a ``lmbda`` share of the steps) or on the dataset's completions."""
+
+    teacher_pretrain: str | None = doc("distill: the teacher, a model directory of the student's "
+                                       "tokenizer (required)", None)
+    teacher_offload: bool = doc("distill: keep the teacher off the accelerator between uses "
+                                "(ZeRO-3, parameters on CPU), whatever the student's stage",
+                                False)
+    lmbda: float = doc("distill: the share of optimizer steps trained on the student's own "
+                       "samples of the prompts (TRL's lmbda; 0: plain KD on the dataset's "
+                       "completions, 1: every step on-policy)", 0.5)
+    beta: float = doc("distill: the generalized JSD's mix: 0 forward KL(teacher || student), 1 "
+                      "reverse KL(student || teacher) (on-policy distillation), between: the "
+                      "JSD of that mixture (TRL's beta)", 0.5)
+    max_new_tokens: int = doc("distill: longest on-policy completion in tokens", 64)
+    temperature: float = doc("distill: on-policy sampling temperature (TRL's default 0.9)", 0.9)
+    top_p: float = doc("distill: on-policy nucleus sampling mass", 1.0)
+    top_k: int = doc("distill: on-policy sampling among the k likeliest tokens (0: all)", 0)
+    rollout_gather: str = doc("distill under ZeRO-3: full (one gathered copy per step "
+                              "generates) or layer (DeepSpeed's partitioned forward)", "full")
+    eval_exact_match: bool = doc("distill: held-out greedy completions against the dataset's "
+                                 "(exact_match), beside the held-out divergence", True)
+
+    def __post_init__(self) -> None:
+        check_positive(self, "max_new_tokens")
+        for name in ("lmbda", "beta"):
+            if not 0 <= getattr(self, name) <= 1:
+                fail(name, getattr(self, name), "use a value in [0, 1], e.g. 0.5")
+        if self.temperature <= 0:
+            fail("temperature", self.temperature, "use a positive temperature, e.g. 0.9")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", self.top_p, "use a probability in (0, 1]")
+        if self.top_k < 0:
+            fail("top_k", self.top_k, "use 0 (all tokens) or a positive count")
+        if self.rollout_gather not in GATHER_MODES:
+            fail("rollout_gather", self.rollout_gather, f"use one of {', '.join(GATHER_MODES)}")

@@ -213,3 +213,39 @@ def dynamic_filter_keeps(scores: list[list[float]], dynamic_filtering_range) -> 
         min_r, max_r = dynamic_filtering_range
         out.append(not (not (min_r < avg_reward < max_r)))
     return out
+
+
+def trl_generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta=0.5,
+                             temperature=1.0, reduction="batchmean", num_items_in_batch=None):
+    """TRL 1.16.0's ``GKDTrainer.generalized_jsd_loss`` (``trl/experimental/gkd/gkd_trainer.py``,
+    from the ``trl-1.16.0-py3-none-any.whl`` on PyPI), transcribed; only the reductions used
+    here are kept (``num_items_in_batch``, ``batchmean``)."""
+    import torch.nn.functional as F
+
+    student_logits = student_logits / temperature
+    teacher_logits = teacher_logits / temperature
+    student_log_probs = F.log_softmax(student_logits, dim=-1)
+    teacher_log_probs = F.log_softmax(teacher_logits, dim=-1)
+    if beta == 0:
+        jsd = F.kl_div(student_log_probs, teacher_log_probs, reduction="none", log_target=True)
+    elif beta == 1:
+        jsd = F.kl_div(teacher_log_probs, student_log_probs, reduction="none", log_target=True)
+    else:
+        beta = torch.tensor(beta, dtype=student_log_probs.dtype, device=student_log_probs.device)
+        mixture_log_probs = torch.logsumexp(
+            torch.stack([student_log_probs + torch.log1p(-beta),
+                         teacher_log_probs + torch.log(beta)]),
+            dim=0,
+        )
+        kl_teacher = F.kl_div(mixture_log_probs, teacher_log_probs, reduction="none",
+                              log_target=True)
+        kl_student = F.kl_div(mixture_log_probs, student_log_probs, reduction="none",
+                              log_target=True)
+        jsd = beta * kl_teacher + (1 - beta) * kl_student
+    if labels is not None:
+        mask = labels != -100
+        jsd = jsd[mask]
+    if num_items_in_batch is not None:
+        return jsd.sum() / num_items_in_batch
+    denom = mask.sum().clamp_min(1) if labels is not None else max(jsd.size(0), 1)
+    return jsd.sum() / denom

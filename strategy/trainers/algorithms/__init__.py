@@ -1,11 +1,12 @@
 """The algorithms, one file each, all on the public ``Trainer`` API (``trainers.loop``): SFT,
-reward model, DPO, the reference-free ORPO and SimPO (``preference``), KTO, and online RL (GRPO,
-with its ``rewards``, and PPO with a critic on GRPO's rollouts).
+reward model, DPO, the reference-free ORPO and SimPO (``preference``), KTO, online RL (GRPO,
+with its ``rewards``, and PPO with a critic on GRPO's rollouts) and on-policy distillation.
 
 May import: ``strategy`` below ``trainers``, and ``trainers.config``, ``losses``, ``data``,
 ``loop``; nothing underscored of ``Trainer`` (``tests/test_layout.py`` checks).
 """
 
+from strategy.trainers.algorithms.distill import DistillationTrainer
 from strategy.trainers.algorithms.dpo import DPOTrainer
 from strategy.trainers.algorithms.grpo import GRPOTrainer
 from strategy.trainers.algorithms.kto import KTOTrainer
@@ -14,6 +15,5 @@ from strategy.trainers.algorithms.preference import ORPOTrainer, SimPOTrainer
 from strategy.trainers.algorithms.rm import RewardModelTrainer
 from strategy.trainers.algorithms.sft import SFTTrainer
 
-__all__ = ["DPOTrainer", "GRPOTrainer", "KTOTrainer", "ORPOTrainer", "PPOTrainer",
-           "RewardModelTrainer",
-           "SFTTrainer", "SimPOTrainer"]
+__all__ = ["DPOTrainer", "DistillationTrainer", "GRPOTrainer", "KTOTrainer", "ORPOTrainer",
+           "PPOTrainer", "RewardModelTrainer", "SFTTrainer", "SimPOTrainer"]

@@ -43,16 +43,18 @@ spans ``ppo_epochs`` of them.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
-from deepspeed.accelerator import get_accelerator
-from transformers import GenerationConfig
 
 from strategy.config import StrategyConfig
 from strategy.errors import fail
-from strategy.model import base_model
+from strategy.trainers.algorithms.completions import (
+    completion_batch,
+    generate_completions,
+    sampling_rng,
+    until_eos,
+)
 from strategy.trainers.algorithms.groups import Sampled, deal, informative
 from strategy.trainers.algorithms.rewards import load_reward_fn
 from strategy.trainers.config import DataConfig, GRPOConfig, ModelConfig, TrainConfig
@@ -60,7 +62,6 @@ from strategy.trainers.data import PROMPTS
 from strategy.trainers.data.spec import prompts_per_rank
 from strategy.trainers.loop import Step, StepPlan, Trainer, plan_steps
 from strategy.trainers.losses import (
-    IGNORE,
     discounted_returns,
     grpo_token_losses,
     kl_estimate,
@@ -95,20 +96,6 @@ def check_grpo(strategy_config: Any, train: Any, grpo: GRPOConfig, max_len: int,
     if grpo.max_new_tokens >= max_len:
         fail("max_new_tokens", grpo.max_new_tokens, f"prompt and completion share max_len="
              f"{max_len}; raise --max_len or lower --max_new_tokens")
-
-
-@contextmanager
-def sampling_rng(seed: int, step: int, rank: int, round_: int = 0) -> Iterator[None]:
-    """The global RNGs, seeded by (seed, step, rank, sampling round) inside the block and as
-    before after it."""
-    accelerator = get_accelerator()
-    devices = [] if accelerator.device_name() == "cpu" else [accelerator.current_device()]
-    with torch.random.fork_rng(devices=devices, device_type=accelerator.device_name()):
-        base = (seed * 1_000_003 + step) * 1_009 + rank
-        torch.manual_seed(base if not round_ else (base * 7_919 + round_) % 2**63)
-        if devices:
-            accelerator.manual_seed(torch.initial_seed())
-        yield
 
 
 class GRPOTrainer(Trainer):
@@ -315,27 +302,11 @@ class GRPOTrainer(Trainer):
         if self._synced_at != self.global_step:  # the policy moved since the last sync
             self.rollouts.sync()
             self._synced_at = self.global_step
-        module = self.rollouts.module
-        training, hf_model = module.training, base_model(module)
-        # generate() fills every unset field from the checkpoint's generation_config (a
-        # repetition_penalty or min_p there would reshape the distribution the log-probs do not
-        # account for): a blank one leaves exactly the settings above
-        saved, hf_model.generation_config = hf_model.generation_config, GenerationConfig()
-        module.eval()
-        try:
-            out = self.rollouts.generate(prompt_ids, prompt_mask, GenerationConfig(**settings),
-                                         group=group)
-        finally:
-            hf_model.generation_config = saved
-            module.train(training)
-        return out[:, prompt_ids.shape[1]:]
+        return generate_completions(self.rollouts, prompt_ids, prompt_mask, settings, group)
 
     def _completions(self, completions: torch.Tensor) -> list[list[int]]:
         """Each completion's tokens up to and including its first end-of-sequence token."""
-        eos, out = self.tokenizer.eos_token_id, []
-        for row in completions.tolist():
-            out.append(row[: row.index(eos) + 1] if eos in row else row)
-        return out
+        return until_eos(completions, self.tokenizer.eos_token_id)
 
     def _texts(self, completions: list[list[int]]) -> list[str]:
         return self.tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -581,14 +552,8 @@ class GRPOTrainer(Trainer):
     def _micro_batch(self, prompts: list[list[int]], completions: list[list[int]],
                      rewards: torch.Tensor, index: int) -> dict:
         pad = self.tokenizer.pad_token_id
-        ids = [p + c for p, c in zip(prompts, completions)]
-        labels = [[IGNORE] * len(p) + c for p, c in zip(prompts, completions)]
-        width = max(len(x) for x in ids)
-        batch = {"input_ids": torch.tensor([x + [pad] * (width - len(x)) for x in ids]),
-                 "labels": torch.tensor([x + [IGNORE] * (width - len(x)) for x in labels]),
-                 "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x))
-                                                 for x in ids]),
-                 "rewards": rewards.clone(), "rollout_index": index}
+        batch = {**completion_batch(prompts, completions, pad), "rewards": rewards.clone(),
+                 "rollout_index": index}
         if self.packing:  # the forwards skip the padding; their outputs come back padded
             batch.update(padding_free(batch["input_ids"], batch["attention_mask"]))
         elif self.share_prompts:  # each distinct prompt forwarded once

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from strategy.internals import begin_submodule_forward
 from strategy.model import base_model
 from strategy.trainers.losses.formulas import IGNORE
 
@@ -71,6 +72,7 @@ def tiled_loss_sum(engine, batch: dict, chunk_tokens: int, max_tokens: int) -> t
     model = base_model(engine.module)
     backbone = getattr(model, model.base_model_prefix)
     head = model.get_output_embeddings()
+    begin_submodule_forward(engine)  # the engine's forward is skipped: its ZeRO bookkeeping not
     hidden, targets = at_targets(backbone(**forward_inputs(batch)).last_hidden_state, batch)
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
