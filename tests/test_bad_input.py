@@ -300,7 +300,7 @@ def test_openrlhf_rm_loss_flag(toy, monkeypatch):
 @pytest.mark.parametrize("script, change, message", [
     ("train_orpo", {"ref_pretrain": "TOY/tok"}, "--ref_pretrain is not a flag of orpo; dpo, grpo, "
      "kto and ppo take it"),
-    ("train_simpo", {"beta": 0.5}, "--beta is not a flag of simpo; dpo takes it"),
+    ("train_simpo", {"beta": 0.5}, "--beta is not a flag of simpo; distill and dpo take it"),
     ("train_simpo", {"ipo": True}, "--ipo is not a flag of simpo; dpo takes it"),
     ("train_kto", {"packing_samples": True}, "packing_samples=True is invalid: KTO's mismatched"),
     ("train_kto", {"sequence_parallel_size": 2}, "sequence_parallel_size=2 is invalid: KTO runs "

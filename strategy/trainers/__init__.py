@@ -2,8 +2,8 @@
 
 - ``loop/``: the ``Trainer`` every trainer subclasses, with its public hooks (read its
   docstring first), exact metric sums, step arithmetic, throughput figures;
-- ``algorithms/``: SFT, reward model, DPO, ORPO/SimPO (``preference``), KTO, GRPO (online RL)
-  and GRPO's rewards;
+- ``algorithms/``: SFT, reward model, DPO, ORPO/SimPO (``preference``), KTO, GRPO and PPO
+  (online RL) with GRPO's rewards and dynamic sampling (``groups``), on-policy distillation;
 - ``data/``: files to token ids, chats, packing, collation, and the ``DataSpec`` a trainer
   declares;
 - ``losses/``: pure loss formulas and the language-model forwards behind them;

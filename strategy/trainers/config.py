@@ -225,6 +225,16 @@ class LoraConfig:
                  "all-linear")
 
 
+def check_sampling(config: object) -> None:
+    """An on-policy config's sampling settings: ``temperature``, ``top_p``, ``top_k``."""
+    if config.temperature <= 0:
+        fail("temperature", config.temperature, "use a positive temperature, e.g. 1.0")
+    if not 0 < config.top_p <= 1:
+        fail("top_p", config.top_p, "use a probability in (0, 1]")
+    if config.top_k < 0:
+        fail("top_k", config.top_k, "use 0 (all tokens) or a positive count")
+
+
 def positive(config: object, *names: str) -> None:
     """Each named float field is > 0."""
     for name in names:
@@ -557,12 +567,7 @@ class GRPOConfig:
         if self.group_size < 2 and self.advantage_estimator in GROUPED:
             fail("group_size", self.group_size, f"{self.advantage_estimator} compares completions "
                  "within a group; use at least 2, e.g. 8 (or --advantage_estimator reinforce)")
-        if self.temperature <= 0:
-            fail("temperature", self.temperature, "use a positive temperature, e.g. 1.0")
-        if not 0 < self.top_p <= 1:
-            fail("top_p", self.top_p, "use a probability in (0, 1]")
-        if self.top_k < 0:
-            fail("top_k", self.top_k, "use 0 (all tokens) or a positive count")
+        check_sampling(self)
 
 
 @dataclass(frozen=True)
@@ -642,11 +647,6 @@ class DistillConfig:
         for name in ("lmbda", "beta"):
             if not 0 <= getattr(self, name) <= 1:
                 fail(name, getattr(self, name), "use a value in [0, 1], e.g. 0.5")
-        if self.temperature <= 0:
-            fail("temperature", self.temperature, "use a positive temperature, e.g. 0.9")
-        if not 0 < self.top_p <= 1:
-            fail("top_p", self.top_p, "use a probability in (0, 1]")
-        if self.top_k < 0:
-            fail("top_k", self.top_k, "use 0 (all tokens) or a positive count")
+        check_sampling(self)
         if self.rollout_gather not in GATHER_MODES:
             fail("rollout_gather", self.rollout_gather, f"use one of {', '.join(GATHER_MODES)}")
