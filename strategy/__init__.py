@@ -8,7 +8,8 @@ Layers, each importing only from the ones above it:
     ema                                  moving average of the weights, partitioned like them
     model, parallel/, export/            HF models; sequence/tensor parallelism; HF export
     decode                               the rollouts' lean sampling loop (uses model)
-    rollout                              where on-policy completions come from (uses export)
+    rollout/                             where on-policy completions come from: hf or vLLM
+                                         engines (uses export)
     engines                              training-engine checks; OpenRLHF's unpacking of one
     deepspeed_strategy                   the facade: DeepSpeedStrategy
     trainers/, demos/                    loops and recipes built on the facade

@@ -30,6 +30,7 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
+from strategy.internals import with_cache
 from strategy.model import base_model
 
 # the GenerationConfig fields decode reads; any other set field is refused (not silently ignored)
@@ -103,7 +104,8 @@ def decode(module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
                      device=device)
     steps = 0
     for step in range(generation_config.max_new_tokens):
-        logits = module(input_ids=feed, attention_mask=mask, position_ids=feed_pos, cache=cache,
+        logits = module(input_ids=feed, attention_mask=mask, position_ids=feed_pos,
+                        **with_cache(cache),
                         use_cache=True, logits_to_keep=1).logits[:, -1].float()
         scores = process(feed, logits)
         if generation_config.do_sample:

@@ -47,6 +47,8 @@ from strategy.rollout import (
     free_memory_bytes,
     is_partitioned,
 )
+from strategy.rollout.config import RolloutConfig
+from strategy.rollout.vllm_engine import VllmRollout, check_vllm_settings
 from strategy.sampler import ResumableDistributedSampler, ShardSampler
 
 export_log = get_logger("export")
@@ -474,15 +476,21 @@ class DeepSpeedStrategy:
         self.sequence.install(model, micro_batch_size)
         return self.sequence.mpu
 
-    def rollout_engine(self, engine: Any, gather: str = "full") -> RolloutEngine:
-        """What an on-policy trainer generates with (``strategy.rollout``): under ZeRO-3 with
-        ``gather="full"`` a plain copy of the policy refreshed by one grouped gather per rollout
-        (refused in one line, on every rank, when it would not fit in a rank's free memory);
-        otherwise the engine's own module (ZeRO-3: one gather per layer per token). Collective.
+    def rollout_engine(self, engine: Any, gather: str = "full",
+                       rollout: RolloutConfig | None = None,
+                       max_model_len: int = 0) -> RolloutEngine:
+        """What an on-policy trainer generates with (``strategy.rollout``): with
+        ``rollout.rollout_engine == "vllm"`` a vLLM engine on this rank, fed the policy's weights
+        by ``sync``; under ZeRO-3 with ``gather="full"`` a plain copy of the policy refreshed by
+        one grouped gather per rollout (refused in one line, on every rank, when it would not fit
+        in a rank's free memory); otherwise the engine's own module (ZeRO-3: one gather per layer
+        per token). Collective.
 
         Args:
             engine: the policy's engine.
-            gather: ``"full"`` or ``"layer"``.
+            gather: ``"full"`` or ``"layer"`` (the ``hf`` engine under ZeRO-3).
+            rollout: the ``RolloutConfig`` (None: ``hf``).
+            max_model_len: vLLM's longest prompt + completion.
 
         Returns:
             A ``RolloutEngine``: call ``sync()`` after the policy changed, then ``generate``.
@@ -490,6 +498,9 @@ class DeepSpeedStrategy:
         Raises:
             ConfigError: ``full`` needs more memory than a rank has free.
         """
+        if rollout is not None and rollout.vllm:
+            check_vllm_settings(rollout, get_accelerator().device_name() == "cuda")
+            return VllmRollout(engine, rollout, max_model_len, self.config.seed * 1_009 + self.rank)
         if gather == "full" and is_partitioned(engine.module):
             check_fits(engine.module, int(self.all_reduce(float(free_memory_bytes()), op="min")))
             return GatheredRollout(engine, self.models.build_plain)

@@ -127,7 +127,7 @@ def test_decode_refuses_settings_it_does_not_implement():
 def test_rollouts_fall_back_to_generate_where_decode_cannot_run(monkeypatch):
     """A model whose cache or logits ``decode`` cannot handle generates with ``generate`` (the
     same tokens); one that can goes through ``decode``."""
-    import strategy.rollout as rollout
+    import strategy.rollout.hf as rollout
 
     model = _llama()
     ids, mask = _prompts(pad=1)

@@ -88,6 +88,7 @@ def _argv(root, name: str, **extra) -> list[str]:
 
 
 def train(root: str, name: str, **extra) -> dict:
+    from strategy.internals.transformers import CACHE_KEYWORD
     from strategy.trainers import GRPOConfig, GRPOTrainer
     from strategy.trainers.algorithms.preference import reference_model
     from strategy.trainers.algorithms.rewards import build_rewards
@@ -108,7 +109,7 @@ def train(root: str, name: str, **extra) -> dict:
             def hook(module, args, kwargs):
                 packed[name] += kwargs.get("attention_mask") is None and kwargs[
                     "input_ids"].shape[0] == 1
-                if kwargs.get("cache") is not None and (name == "reference" or
+                if kwargs.get(CACHE_KEYWORD) is not None and (name == "reference" or
                                                         torch.is_grad_enabled()):
                     shared[name].append(int(kwargs["input_ids"].shape[0]))
             return hook
@@ -283,7 +284,8 @@ def greedy_tokens(root: str, stage: int, gather: str = "full") -> dict:
     from unittest import mock
 
     from strategy.errors import ConfigError
-    from strategy.rollout import _every_rank, prefill_groups
+    from strategy.internals import with_cache
+    from strategy.rollout.hf import _every_rank, prefill_groups
     from strategy.trainers import GRPOConfig, GRPOTrainer
     from strategy.trainers.algorithms.grpo import sampling_rng
     from strategy.trainers.algorithms.rewards import build_rewards
@@ -312,7 +314,7 @@ def greedy_tokens(root: str, stage: int, gather: str = "full") -> dict:
         cache = prefill_groups(module, ids, mask, 4, _every_rank)
         with torch.no_grad():  # the last prompt token on the shared cache, and on no cache
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            last = module(input_ids=ids[:, -1:], attention_mask=mask, cache=cache,
+            last = module(input_ids=ids[:, -1:], attention_mask=mask, **with_cache(cache),
                           position_ids=positions[:, -1:]).logits[:, -1]
             whole = module(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         torch.testing.assert_close(last, whole[:, -1], rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@ of the same student on the same budget)
 """
 
 from strategy.cli.trainers import command_argv
+from strategy.rollout.config import RolloutConfig
 from strategy.trainers import DistillationTrainer, DistillConfig
 from strategy.trainers.algorithms.distill import build_teacher
 from strategy.trainers.run import Run
@@ -18,7 +19,8 @@ def main(argv: list[str] | None = None) -> dict:
     with Run.from_args(command_argv(argv, "distill"), trainer=DistillationTrainer) as run:
         distill = run.config(DistillConfig)
         trainer = run.trainer(DistillationTrainer, run.model(), distill=distill,
-                              teacher=build_teacher(run, distill))
+                              teacher=build_teacher(run, distill),
+                              rollout=run.config(RolloutConfig))
         return trainer.fit()
 
 

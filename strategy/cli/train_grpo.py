@@ -8,6 +8,7 @@ deepspeed --num_gpus 8 --module strategy.cli.train_grpo --config grpo_toy \
 """
 
 from strategy.cli.trainers import command_argv
+from strategy.rollout.config import RolloutConfig
 from strategy.trainers import GRPOConfig, GRPOTrainer
 from strategy.trainers.algorithms.preference import reference_model
 from strategy.trainers.algorithms.rewards import build_rewards
@@ -20,7 +21,8 @@ def main(argv: list[str] | None = None) -> dict:
         reference = reference_model(run, model) if grpo.kl_coef > 0 else None  # the KL's anchor
         trainer = run.trainer(GRPOTrainer, model, grpo=grpo, ref_model=reference,
                               reward=build_rewards(run, grpo), answer_key=run.data.output_key,
-                              packing=run.data.packing_samples)
+                              packing=run.data.packing_samples,
+                              rollout=run.config(RolloutConfig))
         return trainer.fit()
 
 

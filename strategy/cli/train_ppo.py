@@ -9,6 +9,7 @@ short SFT run, then this, with before/after accuracy)
 """
 
 from strategy.cli.trainers import command_argv
+from strategy.rollout.config import RolloutConfig
 from strategy.trainers import PPOConfig, PPOTrainer
 from strategy.trainers.algorithms.ppo import build_critic
 from strategy.trainers.algorithms.preference import reference_model
@@ -23,7 +24,8 @@ def main(argv: list[str] | None = None) -> dict:
         trainer = run.trainer(PPOTrainer, model, grpo=ppo, ref_model=reference,
                               reward=build_rewards(run, ppo), critic=build_critic(run, ppo),
                               answer_key=run.data.output_key,
-                              packing=run.data.packing_samples)
+                              packing=run.data.packing_samples,
+                              rollout=run.config(RolloutConfig))
         return trainer.fit()
 
 

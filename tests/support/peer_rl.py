@@ -249,3 +249,23 @@ def trl_generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta=0
         return jsd.sum() / num_items_in_batch
     denom = mask.sum().clamp_min(1) if labels is not None else max(jsd.size(0), 1)
     return jsd.sum() / denom
+
+
+def vllm_is_corrected_loss(log_probs, old_log_probs, advantages, rollout_log_probs,
+                           clip_eps_low, clip_eps_high, threshold, correction_type):
+    """``PolicyLoss.forward``'s ppo surrogate times its vLLM importance-sampling correction
+    (``enable_vllm_is_correction``, ``vllm_is_truncated_threshold``,
+    ``vllm_is_correction_type`` tis or icepop), before aggregation."""
+    loss = policy_token_loss(log_probs, old_log_probs, advantages, clip_eps_low, clip_eps_high)
+    low_threshold, high_threshold = threshold
+    rollout_log_ratio = old_log_probs - rollout_log_probs
+    if correction_type == "icepop":
+        vllm_is = torch.exp(rollout_log_ratio).detach()
+        mask = (vllm_is >= low_threshold) & (vllm_is <= high_threshold)
+        vllm_is = vllm_is * mask
+        loss = vllm_is * loss
+    else:
+        vllm_is = torch.exp(rollout_log_ratio).clamp(min=low_threshold,
+                                                     max=high_threshold).detach()
+        loss = vllm_is * loss
+    return loss

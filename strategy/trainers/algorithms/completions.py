@@ -46,7 +46,10 @@ def generate_completions(rollouts: Any, prompt_ids: torch.Tensor, prompt_mask: t
     Returns:
         The completion token ids, one row per prompt.
     """
-    module = rollouts.module
+    module = getattr(rollouts, "module", None)  # None: an engine of its own (vLLM)
+    if module is None:
+        return rollouts.generate(prompt_ids, prompt_mask, GenerationConfig(**settings),
+                                 group=group)[:, prompt_ids.shape[1]:]
     training, hf_model = module.training, base_model(module)
     saved, hf_model.generation_config = hf_model.generation_config, GenerationConfig()
     module.eval()
@@ -109,3 +112,22 @@ def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     return ids, mask
+
+
+def longest_prompt(*loaders: Any, key: str = "prompt_ids") -> int:
+    """The most tokens of any row's ``key`` in the loaders' datasets (None loaders skipped): with
+    the completion length, the longest sequence a rollout engine must hold."""
+    return max((len(row[key]) for loader in loaders if loader is not None
+                for row in loader.dataset), default=1)
+
+
+def engine_layout(prompts: list[list[int]], logps: list[list[float]],
+                  width: int) -> torch.Tensor:
+    """A rollout engine's per-token log-probs of completions, laid out as ``token_logps``'s output
+    for ``completion_batch``'s rows of ``width`` tokens (position ``j`` predicts token ``j + 1``;
+    zero elsewhere)."""
+    out = torch.zeros(len(prompts), width - 1)
+    for row, (prompt, values) in enumerate(zip(prompts, logps)):
+        start = len(prompt) - 1
+        out[row, start:start + len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out

@@ -26,10 +26,13 @@ from transformers import AutoConfig, AutoTokenizer
 
 from strategy.config import StrategyConfig
 from strategy.errors import fail
+from strategy.rollout.config import RolloutConfig
+from strategy.rollout.vllm_engine import check_vllm_settings
 from strategy.trainers.algorithms.completions import (
     completion_batch,
     generate_completions,
     left_padded,
+    longest_prompt,
     prompts_of,
     sampling_rng,
     until_eos,
@@ -116,6 +119,7 @@ class DistillationTrainer(Trainer):
         tokenizer: the student's (and the teacher's) tokenizer.
         distill: the ``DistillConfig`` (required).
         teacher: the frozen teacher (required; ``build_teacher``).
+        rollout: the ``RolloutConfig``: which engine samples the on-policy steps (None: ``hf``).
 
     Raises:
         ConfigError: ``distill`` or ``teacher`` is missing.
@@ -123,7 +127,7 @@ class DistillationTrainer(Trainer):
 
     data = SFT
     command = "distill"
-    config_classes = (DistillConfig,)
+    config_classes = (DistillConfig, RolloutConfig)
 
     @classmethod
     def check_settings(cls, configs: dict, world_size: int) -> None:
@@ -148,10 +152,13 @@ class DistillationTrainer(Trainer):
             fail("max_new_tokens", distill.max_new_tokens, f"prompt and completion share "
                  f"max_len={data.max_len}; raise --max_len or lower --max_new_tokens")
         check_teacher(distill, configs[ModelConfig])
+        if configs[RolloutConfig].vllm:
+            check_vllm_settings(configs[RolloutConfig], torch.cuda.is_available())
 
     def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config=None, tokenizer=None,
-                 distill: DistillConfig | None = None, teacher=None) -> None:
+                 distill: DistillConfig | None = None, teacher=None,
+                 rollout: RolloutConfig | None = None) -> None:
         if distill is None or teacher is None:
             fail("distill", distill, "DistillationTrainer needs distill=DistillConfig(...) and "
                  "teacher=build_teacher(run, distill)")
@@ -161,7 +168,10 @@ class DistillationTrainer(Trainer):
         self.teacher = teacher_strategy(strategy, distill).prepare(teacher)
         widths = {vocab_width(self.model.module.config), vocab_width(self.teacher.module.config)}
         self.vocab = widths.pop() if len(widths) == 1 else len(tokenizer)  # the shared tokens
-        self.rollouts = strategy.rollout_engine(self.model, distill.rollout_gather)
+        self.rollouts = strategy.rollout_engine(
+            self.model, distill.rollout_gather, rollout,
+            longest_prompt(train_dataloader, eval_dataloader, key="input_ids")
+            + distill.max_new_tokens)
         self._synced_at: int | None = None
 
     # ------------------------------------------------------------ steps

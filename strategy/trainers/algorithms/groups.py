@@ -27,6 +27,7 @@ class Sampled:
         prompts: its prompt text.
         rows: its dataset row.
         components: each reward of a weighted sum by name: its scores.
+        engine_logps: the rollout engine's log-prob of each completion token (vLLM), or empty.
     """
 
     prompt_ids: list[list[int]]
@@ -35,6 +36,7 @@ class Sampled:
     prompts: list[str]
     rows: list[dict]
     components: dict[str, list[float]] = field(default_factory=dict)
+    engine_logps: list[list[float]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -46,7 +48,8 @@ class Sampled:
     def _slice(self, start: int, stop: int) -> Sampled:
         return Sampled(self.prompt_ids[start:stop], self.completions[start:stop],
                        self.scores[start:stop], self.prompts[start:stop], self.rows[start:stop],
-                       {k: v[start:stop] for k, v in self.components.items()})
+                       {k: v[start:stop] for k, v in self.components.items()},
+                       self.engine_logps[start:stop])
 
     @classmethod
     def join(cls, parts: list[Sampled]) -> Sampled:
@@ -54,7 +57,8 @@ class Sampled:
         names = parts[0].components if parts else {}
         return cls(*([x for p in parts for x in getattr(p, name)]
                      for name in ("prompt_ids", "completions", "scores", "prompts", "rows")),
-                   {k: [x for p in parts for x in p.components.get(k, [])] for k in names})
+                   {k: [x for p in parts for x in p.components.get(k, [])] for k in names},
+                   [x for p in parts for x in p.engine_logps])
 
 
 def informative(groups: list[Sampled], low: float, high: float) -> list[bool]:

@@ -22,9 +22,13 @@ else shapes the sampling: the checkpoint's ``generation_config`` (a ``repetition
 ``min_p``...) is set aside while generating.
 
 Completions come from the strategy's ``rollout_engine`` (``strategy.rollout``), synced once per
-rollout. Under ZeRO-3, ``--rollout_gather full`` (default) gathers the policy once into a plain
-copy on every rank that generates without collectives (refused before the first step when it
-would not fit in a rank's free memory); ``layer`` runs DeepSpeed's partitioned forward (one gather
+rollout: ``--rollout_engine vllm`` a vLLM engine on each rank (``weight_sync_s`` logged), whose
+sampled tokens' log-probs are compared with the trainer's each rollout
+(``engine_logprob_diff``, mean and max) and, with ``--is_correction tis|icepop``, weigh each
+token's loss (OpenRLHF's vLLM importance-sampling correction). Under ZeRO-3 the ``hf`` engine,
+with ``--rollout_gather full`` (default), gathers the policy once into a plain copy on every rank
+that generates without collectives (refused before the first step when it would not fit in a
+rank's free memory); ``layer`` runs DeepSpeed's partitioned forward (one gather
 per layer per generated token, ``synced_gpus`` keeping ranks in step), bounded by ZeRO-3's memory
 budget however large the model.
 
@@ -49,9 +53,13 @@ import torch
 
 from strategy.config import StrategyConfig
 from strategy.errors import fail
+from strategy.rollout.config import RolloutConfig
+from strategy.rollout.vllm_engine import check_vllm_settings
 from strategy.trainers.algorithms.completions import (
     completion_batch,
+    engine_layout,
     generate_completions,
+    longest_prompt,
     sampling_rng,
     until_eos,
 )
@@ -63,6 +71,7 @@ from strategy.trainers.data.spec import prompts_per_rank
 from strategy.trainers.loop import Step, StepPlan, Trainer, plan_steps
 from strategy.trainers.losses import (
     discounted_returns,
+    engine_is_weights,
     grpo_token_losses,
     kl_estimate,
     length_shaped_rewards,
@@ -98,6 +107,15 @@ def check_grpo(strategy_config: Any, train: Any, grpo: GRPOConfig, max_len: int,
              f"{max_len}; raise --max_len or lower --max_new_tokens")
 
 
+def check_rollout(rollout: RolloutConfig, grpo: GRPOConfig) -> None:
+    """The rollout engine's settings GRPO/PPO cannot run with, before any process group."""
+    if rollout.vllm:
+        check_vllm_settings(rollout, torch.cuda.is_available())
+    if rollout.is_correction is not None and grpo.policy_loss_type != "ppo":
+        fail("is_correction", rollout.is_correction, "it weighs each token's loss, as "
+             "OpenRLHF's; use it with --policy_loss_type ppo or drop it")
+
+
 class GRPOTrainer(Trainer):
     """The policy trains; ``ref_model`` (needed when ``kl_coef`` > 0) becomes an eval engine;
     ``reward(prompts, completions, rows) -> floats`` scores completions (``rewards``).
@@ -118,6 +136,7 @@ class GRPOTrainer(Trainer):
         ref_model: the frozen reference for the KL term (required when ``kl_coef`` > 0).
         reward: ``reward(prompts, completions, rows) -> floats`` (required).
         answer_key: the row key of the reference answer for eval ``exact_match`` (None: off).
+        rollout: the ``RolloutConfig``: which engine generates (None: ``hf``).
         packing: forward the update's micro-batches (policy, reference, critic) without their
             padding (``--packing_samples``: one packed row per micro-batch, per-sample attention
             on ``sdpa_varlen`` or flash attention; ``losses.padding_free``). Otherwise, with
@@ -132,7 +151,7 @@ class GRPOTrainer(Trainer):
     data = PROMPTS
     command = "grpo"
     resume_by_samples = False  # a step consumes completions, not loader samples
-    config_classes = (GRPOConfig,)
+    config_classes = (GRPOConfig, RolloutConfig)
 
     @classmethod
     def check_settings(cls, configs: dict, world_size: int) -> None:
@@ -154,6 +173,7 @@ class GRPOTrainer(Trainer):
                  "update's micro-batches padding-free")
         check_grpo(configs[StrategyConfig], configs[TrainConfig], grpo,
                    configs[DataConfig].max_len, world_size)
+        check_rollout(configs[RolloutConfig], grpo)
         for spec in grpo.reward_names():
             if spec != "model":
                 load_reward_fn(spec)  # importable and callable, or one line now
@@ -164,7 +184,7 @@ class GRPOTrainer(Trainer):
     def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config=None, tokenizer=None, grpo: GRPOConfig | None = None,
                  ref_model=None, reward: Reward | None = None, answer_key: str | None = "output",
-                 packing: bool = False) -> None:
+                 packing: bool = False, rollout: RolloutConfig | None = None) -> None:
         if grpo is None or reward is None:
             fail("grpo", grpo, "GRPOTrainer needs grpo=GRPOConfig(...) and a reward callable")
         if grpo.kl_coef > 0 and ref_model is None:
@@ -179,7 +199,11 @@ class GRPOTrainer(Trainer):
         self.ref_model = strategy.prepare(ref_model) if ref_model is not None else None
         self.per_rank = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size)
         self._old_logps: dict[int, torch.Tensor] = {}  # micro-batch -> first update's log-probs
-        self.rollouts = strategy.rollout_engine(self.model, grpo.rollout_gather)
+        self.rollout_config = rollout or RolloutConfig()
+        self.rollouts = strategy.rollout_engine(
+            self.model, grpo.rollout_gather, self.rollout_config,
+            longest_prompt(train_dataloader, eval_dataloader) + grpo.max_new_tokens)
+        self._sync_s: float | None = None  # the last sync's seconds, logged with its rollout
         self._components: dict[str, list[float]] = {}  # the latest rollout's scores by reward
         self._synced_at: int | None = None  # the global step the rollout engine's weights are of
         self._rounds_drawn = 0  # rounds of prompts drawn so far (the prompt cursor)
@@ -300,8 +324,9 @@ class GRPOTrainer(Trainer):
         if sample:
             settings.update(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
         if self._synced_at != self.global_step:  # the policy moved since the last sync
+            start = time.perf_counter()
             self.rollouts.sync()
-            self._synced_at = self.global_step
+            self._synced_at, self._sync_s = self.global_step, time.perf_counter() - start
         return generate_completions(self.rollouts, prompt_ids, prompt_mask, settings, group)
 
     def _completions(self, completions: torch.Tensor) -> list[list[int]]:
@@ -339,12 +364,15 @@ class GRPOTrainer(Trainer):
                           round_):
             completions = self._completions(self.generate(ids, mask, sample=True,
                                                           group=g).cpu())
+        engine = getattr(self.rollouts, "logprobs", None)  # vLLM's, of each sampled token
+        engine_logps = [] if engine is None else [lp[:len(c)] for lp, c in zip(engine,
+                                                                                completions)]
         prompts = [p for p in batch["prompts"] for _ in range(g)]
         rows = [r for r in batch["rows"] for _ in range(g)]
         scores = self._score(prompts, completions, self._texts(completions), rows)
         prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
         return Sampled(prompt_ids, completions, scores.tolist(), prompts, rows,
-                       {k: list(v) for k, v in self._components.items()})
+                       {k: list(v) for k, v in self._components.items()}, engine_logps)
 
     def filtered_sample(self, batch: dict) -> tuple[Sampled, int, dict]:
         """DAPO's dynamic sampling: rounds of prompts until every rank's share of kept groups
@@ -396,6 +424,8 @@ class GRPOTrainer(Trainer):
             sampled = self.sample(batch)
         self._components = sampled.components
         batches, more = self.experience(sampled, filler * self.grpo.group_size)
+        if self._sync_s is not None:  # this rollout's sync (none when the policy had not moved)
+            metrics["weight_sync_s"], self._sync_s = (self._sync_s, 1), None
         return batches, {**more, **metrics, "generation_s": (time.perf_counter() - start, 1)}
 
     def experience(self, sampled: Sampled, filler: int = 0) -> tuple[list[dict], dict]:
@@ -421,6 +451,10 @@ class GRPOTrainer(Trainer):
         for i in range(0, len(completions), micro):
             b = self._micro_batch(sampled.prompt_ids[i:i + micro], completions[i:i + micro],
                                   rewards[i:i + micro], index=i // micro)
+            if sampled.engine_logps:
+                b["engine_logp"] = engine_layout(sampled.prompt_ids[i:i + micro],
+                                                 sampled.engine_logps[i:i + micro],
+                                                 b["input_ids"].shape[1])
             if not trained[i:i + micro].all():
                 b["trained"] = trained[i:i + micro]
             batches.append(b)
@@ -431,8 +465,27 @@ class GRPOTrainer(Trainer):
                                                self.grpo.temperature)[0].cpu()
         self.advantages(batches)
         real = slice(0, len(completions) - filler)  # the filler's figures are not the step's
-        return batches, self._rollout_metrics(rewards[real], completions[real],
-                                              truncated[real], shaped)
+        metrics = self._rollout_metrics(rewards[real], completions[real], truncated[real], shaped)
+        if sampled.engine_logps:
+            metrics.update(self._engine_diff(batches))
+        return batches, metrics
+
+    def _engine_diff(self, batches: list[dict]) -> dict:
+        """The rollout engine's log-probs against the trainer's on the trained tokens (the
+        trainer's pass of the rollout becomes the first update's "old" log-probs): mean and, over
+        every rank, max of the absolute difference."""
+        total, count, largest = 0.0, 0, 0.0
+        with torch.no_grad():
+            for b in batches:
+                if "old_logp" not in b:
+                    b["old_logp"] = token_logps(self.model, self.to_device(b),
+                                                self.grpo.temperature)[0].cpu()
+                mask = self.trained_mask(b, scored_mask(b))
+                diff = (b["old_logp"] - b["engine_logp"]).abs()[mask]
+                total, count = total + diff.sum().item(), count + diff.numel()
+                largest = max(largest, diff.max().item() if diff.numel() else 0.0)
+        return {"engine_logprob_diff": (total, count),
+                "engine_logprob_diff_max": (self.strategy.all_reduce(largest, op="max"), 1)}
 
     def _rollout_metrics(self, rewards: torch.Tensor, completions: list[list[int]],
                          truncated: torch.Tensor, shaped: dict) -> dict:
@@ -580,6 +633,12 @@ class GRPOTrainer(Trainer):
             logp, self._old_logps[key], ref, batch["advantages"], mask, low,
             0.0 if g.kl_in_reward else g.kl_coef, clip_eps_high=high, dual_clip=g.dual_clip,
             kl_estimator=g.kl_estimator, policy_loss_type=g.policy_loss_type)
+        correction = self.rollout_config.is_correction
+        if correction is not None:  # the engine's log-probs differ from the trainer's
+            low_w, high_w = self.rollout_config.is_correction_threshold
+            weights, more = engine_is_weights(self._old_logps[key], batch["engine_logp"], mask,
+                                              correction, low_w, high_w)
+            losses, metrics = losses * weights, {**metrics, **more}
         return self.aggregate(losses, mask), metrics
 
     def aggregate(self, losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATIO
 from strategy.config import StrategyConfig
 from strategy.errors import ConfigError, fail
 from strategy.model import hf_config
+from strategy.rollout.config import RolloutConfig
 from strategy.trainers.algorithms.grpo import GRPOTrainer
 from strategy.trainers.config import ModelConfig, PPOConfig
 from strategy.trainers.losses import gae, token_values, value_token_losses
@@ -141,12 +142,13 @@ class PPOTrainer(GRPOTrainer):
             label), given its own optimizer and schedule here.
         answer_key: the row key of the reference answer for eval ``exact_match``.
         packing: padding-free update forwards, as ``GRPOTrainer``'s.
+        rollout: the ``RolloutConfig``, as ``GRPOTrainer``'s.
 
     Raises:
         ConfigError: no critic, or ``grpo`` is not a ``PPOConfig``.
     """
 
-    config_classes = (PPOConfig,)
+    config_classes = (PPOConfig, RolloutConfig)
     command = "ppo"
 
     @classmethod
@@ -166,13 +168,14 @@ class PPOTrainer(GRPOTrainer):
     def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config=None, tokenizer=None, grpo: PPOConfig | None = None,
                  ref_model=None, reward=None, critic=None, answer_key: str | None = "output",
-                 packing: bool = False) -> None:
+                 packing: bool = False, rollout: RolloutConfig | None = None) -> None:
         if not isinstance(grpo, PPOConfig) or critic is None:
             fail("critic", critic, "PPOTrainer needs grpo=PPOConfig(...) and critic=<a value "
                  "model> (Run.critic())")
         super().__init__(strategy, model, optimizer, scheduler, train_dataloader,
                          eval_dataloader, config, tokenizer, grpo=grpo, ref_model=ref_model,
-                         reward=reward, answer_key=answer_key, packing=packing)
+                         reward=reward, answer_key=answer_key, packing=packing,
+                         rollout=rollout)
         own = critic_strategy(strategy, grpo)  # the critic's ZeRO stage and offload
         critic_optimizer = own.create_optimizer(critic, lr=grpo.critic_learning_rate)
         schedule = own.create_scheduler(critic_optimizer,

@@ -23,6 +23,7 @@ from strategy.trainers.losses.formulas import (
     IGNORE,
     dpo_loss,
     dpo_losses,
+    engine_is_weights,
     group_advantages,
     grpo_token_losses,
     kto_losses,
@@ -46,7 +47,7 @@ from strategy.trainers.losses.lm import (
 )
 
 __all__ = ["DPO_LOSSES", "ESTIMATORS", "IGNORE", "OUTCOME_ESTIMATORS", "discounted_returns",
-           "dpo_loss", "dpo_losses", "forward_inputs", "gae", "kl_estimate",
+           "dpo_loss", "dpo_losses", "engine_is_weights", "forward_inputs", "gae", "kl_estimate",
            "length_shaped_rewards", "outcome_advantages",
            "outcome_token_rewards", "token_moments", "whiten",
            "group_advantages", "grpo_token_losses", "kto_losses", "last_attended", "orpo_losses",

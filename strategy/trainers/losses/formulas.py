@@ -189,6 +189,26 @@ def _log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
     return per_row.unsqueeze(-1)
 
 
+def engine_is_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                      kind: str, low: float, high: float) -> tuple[torch.Tensor, dict]:
+    """The rollout engine's importance-sampling correction (OpenRLHF's vLLM IS correction): each
+    token's weight ``exp(old_logp - engine_logp)``, the trainer's log-prob of the sampled token
+    over the engine's, detached; ``tis`` clamps it to ``[low, high]``, ``icepop`` zeroes it
+    outside. Zero where ``mask`` is off; the token losses are multiplied by it. Also the mean
+    weight and the share of tokens clamped or zeroed, as (sum, count) over scored tokens."""
+    ratio = torch.exp(old_logp - engine_logp).detach()
+    outside = (ratio < low) | (ratio > high)
+    if kind == "icepop":
+        weights = ratio * ~outside
+    elif kind == "tis":
+        weights = ratio.clamp(min=low, max=high)
+    else:
+        raise ValueError(f"is_correction {kind!r}: use tis or icepop")
+    scored = mask.bool()
+    return weights * mask, {"is_weight": _mean_pair(weights[scored]),
+                            "is_outside": _mean_pair(outside[scored])}
+
+
 def value_token_losses(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                        mask: torch.Tensor, clip: float | None = None,
                        ) -> tuple[torch.Tensor, dict]:

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from strategy.internals import begin_submodule_forward
+from strategy.internals import begin_submodule_forward, with_cache
 from strategy.model import base_model
 from strategy.trainers.losses.formulas import IGNORE
 
@@ -175,11 +175,13 @@ def _prefix_scored(module, batch: dict, read: Any,
     prefix_mask, index = batch["prefix_mask"], batch["prefix_index"]
     positions = (prefix_mask.long().cumsum(-1) - 1).masked_fill(prefix_mask == 0, 1)
     first = read(module(input_ids=batch["prefix_ids"], attention_mask=prefix_mask,
-                        position_ids=positions, cache=cache, use_cache=True, **keep))[:, -1:]
+                        position_ids=positions, use_cache=True, **with_cache(cache),
+                        **keep))[:, -1:]
     cache.batch_select_indices(index)  # each row's prompt keys and values (autograd follows)
     rest = read(module(input_ids=batch["suffix_ids"],
                        attention_mask=torch.cat([prefix_mask[index], batch["suffix_mask"]], 1),
-                       position_ids=batch["suffix_position_ids"], cache=cache, use_cache=True))
+                       position_ids=batch["suffix_position_ids"], use_cache=True,
+                       **with_cache(cache)))
     scored = torch.cat([first[index], rest[:, :-1]], 1)[batch["suffix_mask"].bool()]
     if scored.shape[0] != int(mask.sum()):
         raise ValueError(f"shared_prompts' completions hold {scored.shape[0]} tokens, the labels "

@@ -1,30 +1,6 @@
-"""Where on-policy completions come from: one seam (``RolloutEngine``), two implementations that
-run here.
-
-- ``EngineRollout`` (``--rollout_gather layer``): the training engine's own module generates.
-  Under ZeRO-3 that is DeepSpeed's partitioned forward: every layer's parameters are gathered for
-  each generated token and released after, and ``synced_gpus`` keeps every rank stepping until all
-  ranks' sequences end. Memory stays at ZeRO-3's budget; the cost is a gather per layer per token.
-- ``GatheredRollout`` (``--rollout_gather full``): a plain, unpartitioned copy of the policy on
-  every rank, refreshed once per rollout (``sync``) by the grouped gather the streamed export uses
-  (``plan_export`` units: a LoRA policy's merged weights, tied tensors once, one bounded group of
-  parameters gathered at a time). Generation then runs without collectives, each rank on its own.
-  It needs the whole model on every rank: ``check_fits`` refuses it in one line, on every rank,
-  when the weights exceed a rank's free memory. Below ZeRO-3 the engine's module is already whole,
-  and ``full`` generates with it directly (no copy).
-
-A fast inference engine (vLLM, SGLang) would be a third ``RolloutEngine``: ``sync`` would stream
-the same groups to it (every rank still entering each gather, rank-local tensors handed to the
-engine's weight loader, as ``GatheredRollout.sync`` copies them into its module), and ``generate``
-would call it. None is built here: no code path that cannot run and be tested on these machines.
-
-Both share a group's prompt (``generate(group=g)``: a GRPO rollout repeats each prompt ``g``
-times): ``prefill_groups`` runs each prompt once and hands the decoder its KV cache repeated to
-the ``g`` rows, so the prompt's forward work is 1/g of a plain ``generate``'s, with the same
-tokens (the same sampling draws). Where the module generating is whole on its rank (below ZeRO-3,
-and ``GatheredRollout``'s copy) the tokens come from ``strategy.decode``, which drops ended rows
-from the batch and draws ``generate``'s tokens; the partitioned forward keeps ``generate``.
-"""
+"""The rollout engines that generate with the policy's own weights in ``transformers``: the
+training engine's module (``EngineRollout``) or a plain gathered copy (``GatheredRollout``); see
+the package's docstring."""
 
 from __future__ import annotations
 
@@ -40,7 +16,7 @@ from strategy.decode import decode, supports
 from strategy.errors import ConfigError
 from strategy.export.save import gathered_params, group_units, tensor_parallel_owners
 from strategy.export.units import plan_export
-from strategy.internals import full_numel, is_zero3_param
+from strategy.internals import full_numel, is_zero3_param, with_cache
 from strategy.model import base_model, is_peft_model
 
 GATHER_MODES = ("full", "layer")
@@ -64,7 +40,8 @@ def whole_generate(module: nn.Module, input_ids: torch.Tensor, attention_mask: t
     (``generate`` itself for a model whose cache or logits ``decode`` cannot handle)."""
     cache = prefill_groups(module, input_ids, attention_mask, group)
     if not supports(module):
-        return module.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
+        return module.generate(input_ids=input_ids, attention_mask=attention_mask,
+                               **with_cache(cache),
                                generation_config=generation_config, use_cache=True)
     return decode(module, input_ids, attention_mask, generation_config, cache)
 
@@ -100,7 +77,7 @@ def prefill_groups(module: nn.Module, input_ids: torch.Tensor, attention_mask: t
     positions = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        module(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+        module(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(cache),
                use_cache=True, logits_to_keep=1)
     cache.batch_repeat_interleave(group)
     return cache
@@ -130,7 +107,7 @@ class EngineRollout:
                                   group)
         cache = prefill_groups(self.module, input_ids, attention_mask, group, _every_rank)
         return self.module.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                    generation_config=generation_config, cache=cache,
+                                    generation_config=generation_config, **with_cache(cache),
                                     synced_gpus=True, use_cache=True)
 
 

