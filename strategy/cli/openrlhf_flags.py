@@ -178,6 +178,15 @@ DOTTED: dict[str, tuple[str, ...]] = {
     "reward.stop_properly_penalty_coef": ("--stop_properly_penalty_coef", "{}"),
     # ppo or gspo, both (gspo: each completion's ratio; its mean over completions, both)
     "actor.policy_loss_type": ("--policy_loss_type", "{}"),
+    # vLLM: colocated here, an engine on every rank (OpenRLHF's hybrid engine)
+    "vllm.enforce_eager": ("--vllm_enforce_eager",),
+    "vllm.enable_sleep": ("--vllm_enable_sleep",),
+    "vllm.gpu_memory_utilization": ("--vllm_gpu_memory_utilization", "{}"),
+    "vllm.tensor_parallel_size": ("--vllm_tensor_parallel_size", "{}"),
+    # OpenRLHF's default type is tis; a type flag alone turns the correction on here
+    "algo.advantage.is_correction_enable": ("--is_correction", "tis"),
+    "algo.advantage.is_correction_type": ("--is_correction", "{}"),
+    "algo.advantage.is_correction_threshold": ("--is_correction_threshold", "{}", "{}"),
 }
 
 VALUE_MAPS: dict[str, dict[str, str]] = {
@@ -193,11 +202,12 @@ PER_PARSER: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 _RAY = "Ray placement: launch with deepspeed/torchrun/`strategy <trainer> --nproc N` instead"
-_VLLM = "vLLM engines are not here yet (issue 37); rollouts use --rollout_gather"
+_VLLM = ("vLLM engines here are colocated, one on every rank: --rollout_engine vllm (weights "
+         "synced in process, no Ray)")
 _MUON = "Muon is not here; --optimizer fused_adam, cpu_adam or hybrid_adam (Adam)"
 _VLM = "vision-language training is not here; text prompts only"
-_ASYNC = ("asynchronous rollouts are not here: rollout and update alternate on every rank "
-          "(no vLLM yet, issue 37)")
+_ASYNC = ("asynchronous rollouts are not here yet: rollout and update alternate on every rank "
+          "(issue 37)")
 _CRITIC = "the critic takes the policy's {} (its own setting here: --critic_learning_rate)"
 _TOKENS = ("token-budget batching is not here: micro-batches count samples "
            "(--micro_train_batch_size)")
@@ -284,20 +294,10 @@ REFUSED: dict[str, str] = {
     "train.colocate_all": _RAY + " (every model here shares each rank)",
     # ---- vLLM
     "vllm.num_engines": _VLLM,
-    "vllm.tensor_parallel_size": _VLLM,
     "vllm.sync_backend": _VLLM,
     "vllm.sync_with_ray": _VLLM,
-    "vllm.enable_prefix_caching": _VLLM + " (--shared_prompt_forward shares a group's prompt)",
-    "vllm.enforce_eager": _VLLM,
-    "vllm.enable_sleep": _VLLM,
-    "vllm.gpu_memory_utilization": _VLLM,
+    "vllm.enable_prefix_caching": "our vLLM engines always cache prefixes; drop it",
     "rollout.vllm_generate_batch_size": _VLLM,
-    "algo.advantage.is_correction_enable": "no vLLM, no sampler mismatch to correct: the policy "
-                                           "samples its own completions (--rollout_gather)",
-    "algo.advantage.is_correction_threshold": "no vLLM, no sampler mismatch to correct: the "
-                                              "policy samples its own completions",
-    "algo.advantage.is_correction_type": "no vLLM, no sampler mismatch to correct: the policy "
-                                         "samples its own completions",
     "train.async_enable": _ASYNC,
     "train.async_queue_size": _ASYNC,
     "train.partial_rollout_enable": _ASYNC,

@@ -22,9 +22,9 @@ tokens (the same sampling draws). Where the module generating is whole on its ra
 and ``GatheredRollout``'s copy) the tokens come from ``strategy.decode``, which drops ended rows
 from the batch and draws ``generate``'s tokens; the partitioned forward keeps ``generate``.
 
-May import: ``strategy.errors``, ``strategy.internals``, ``strategy.config`` (``RolloutConfig``'s
-fields), ``strategy.model``, ``strategy.decode``, ``strategy.export`` (the units a sync streams),
-and vLLM (the optional extra), only once a vLLM engine is asked for.
+May import: ``strategy.errors``, ``strategy.internals``, ``strategy.dist``, ``strategy.config``
+(``RolloutConfig``'s fields), ``strategy.model``, ``strategy.decode``, ``strategy.export`` (the
+units a sync streams), and vLLM (the optional extra), only once a vLLM engine is asked for.
 """
 
 from strategy.rollout.hf import (

@@ -36,6 +36,14 @@ class RolloutConfig:
         "CUDA only), woken for the next sync", False, trainers=ON_POLICY)
     vllm_tensor_parallel_size: int = doc(
         "vLLM: ranks one engine spans (1: an engine on every rank)", 1, trainers=ON_POLICY)
+    vllm_timeout: float = doc(
+        "vLLM: seconds one engine call (a sync, a rollout's generation) may take before the rank "
+        "stops with one line saying so", 1800.0, trainers=ON_POLICY)
+    async_rollouts: int = doc(
+        "vLLM, GRPO/PPO: rollouts generated ahead, while the step before trains, from the "
+        "weights before its update (OpenRLHF's --train.async_enable, queue size 1): 0 (off) or "
+        "1; logged staleness: updates between the samples' policy and the trained one", 0,
+        trainers=("grpo", "ppo"))
     is_correction: str | None = doc(
         "vLLM: correct each token's loss for the engine's sampled log-prob differing from the "
         "trainer's, w = exp(trainer - engine): tis (w clamped to --is_correction_threshold) or "
@@ -53,6 +61,11 @@ class RolloutConfig:
                  "use a share in (0, 1], e.g. 0.3")
         if self.vllm_cpu_kv_cache_gb < 1:
             fail("vllm_cpu_kv_cache_gb", self.vllm_cpu_kv_cache_gb, "use at least 1 (GiB)")
+        if self.async_rollouts not in (0, 1):
+            fail("async_rollouts", self.async_rollouts, "one rollout ahead at most here; use 0 "
+                 "or 1")
+        if self.vllm_timeout <= 0:
+            fail("vllm_timeout", self.vllm_timeout, "use a positive number of seconds, e.g. 1800")
         if self.vllm_tensor_parallel_size < 1:
             fail("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size,
                  "use a positive number of ranks, e.g. 1")

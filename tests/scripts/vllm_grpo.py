@@ -7,10 +7,15 @@ After each rollout (the vLLM engine synced to the policy of that step) both engi
 held-out prompts greedily on the same weights: vLLM's completions, and the policy's own module's
 (``EngineRollout``: ZeRO-3's partitioned forward, or the whole module below it). Rank 0 writes
 OUT.json: the history, each check's completions, and the final metrics.
+
+``VLLM_FAULT=raise:R`` or ``hang:R``: rank R's engine raises, or never returns, in its third
+``generate`` (the second rollout's, after the first step's checkpoint; the fault tests).
 """
 
 import json
+import os
 import sys
+import time
 
 from strategy.rollout import EngineRollout
 from strategy.rollout.config import RolloutConfig
@@ -41,6 +46,24 @@ class CheckedGRPO(GRPOTrainer):
         return out
 
 
+def inject(llm, rank: int) -> None:
+    """``VLLM_FAULT``'s fault, on its rank's engine."""
+    kind, _, where = os.environ.get("VLLM_FAULT", "").partition(":")
+    if not kind or int(where) != rank:
+        return
+    real, calls = llm.generate, []
+
+    def generate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3 and kind == "raise":
+            raise RuntimeError("injected engine failure")
+        if len(calls) == 3:
+            time.sleep(3600)
+        return real(*args, **kwargs)
+
+    llm.generate = generate
+
+
 def main() -> None:
     out_path, argv = sys.argv[1], sys.argv[2:]
     with Run.from_args(argv, trainer=CheckedGRPO) as run:
@@ -49,6 +72,7 @@ def main() -> None:
         trainer = run.trainer(CheckedGRPO, model, grpo=grpo, ref_model=reference,
                               reward=build_rewards(run, grpo), rollout=run.config(RolloutConfig))
         trainer.checks = []
+        inject(trainer.rollouts.llm, run.strategy.rank)
         final = trainer.fit()
         if run.strategy.rank == 0:
             with open(out_path, "w") as f:

@@ -50,6 +50,7 @@ import time
 from typing import Any, Callable, Iterator
 
 import torch
+from transformers import GenerationConfig
 
 from strategy.config import StrategyConfig
 from strategy.errors import fail
@@ -111,6 +112,12 @@ def check_rollout(rollout: RolloutConfig, grpo: GRPOConfig) -> None:
     """The rollout engine's settings GRPO/PPO cannot run with, before any process group."""
     if rollout.vllm:
         check_vllm_settings(rollout, torch.cuda.is_available())
+    if rollout.async_rollouts and not rollout.vllm:
+        fail("async_rollouts", rollout.async_rollouts, "the hf engine generates with the "
+             "training ranks' own module, so nothing would overlap; add --rollout_engine vllm")
+    if rollout.async_rollouts and grpo.dynamic_filtering:
+        fail("async_rollouts", rollout.async_rollouts, "dynamic sampling decides the next "
+             "round from this one's rewards; drop one of them")
     if rollout.is_correction is not None and grpo.policy_loss_type != "ppo":
         fail("is_correction", rollout.is_correction, "it weighs each token's loss, as "
              "OpenRLHF's; use it with --policy_loss_type ppo or drop it")
@@ -207,6 +214,7 @@ class GRPOTrainer(Trainer):
         self._components: dict[str, list[float]] = {}  # the latest rollout's scores by reward
         self._synced_at: int | None = None  # the global step the rollout engine's weights are of
         self._rounds_drawn = 0  # rounds of prompts drawn so far (the prompt cursor)
+        self._ahead: tuple | None = None  # --async_rollouts: (prompts, generation, version)
 
     # ------------------------------------------------------------ plan and resume
     @classmethod
@@ -265,12 +273,20 @@ class GRPOTrainer(Trainer):
 
     def checkpoint_state(self) -> dict:
         """The prompt cursor: rounds of prompts drawn (more than rollouts with
-        ``--dynamic_filtering``).
+        ``--dynamic_filtering``); with ``--async_rollouts`` every rank's rollout generated
+        ahead (waited for; collective), so a resumed run trains on the same samples.
 
         Returns:
-            ``{"prompt_rounds": n}``.
+            ``{"prompt_rounds": n}``, and ``"ahead"``: by rank, ``(prompts, (output,
+            log-probs), version)`` or None.
         """
-        return {"prompt_rounds": self._rounds_drawn}
+        state = {"prompt_rounds": self._rounds_drawn}
+        if self.rollout_config.async_rollouts:
+            if self._ahead is not None and hasattr(self._ahead[1], "wait"):
+                batch, ahead, version = self._ahead
+                self._ahead = (batch, ahead.wait(), version)
+            state["ahead"] = self.strategy.all_gather_object(self._ahead)  # rank 0 saves it
+        return state
 
     def load_checkpoint_state(self, state: dict) -> None:
         """The prompt cursor back (a checkpoint without one: one round per rollout done).
@@ -280,6 +296,12 @@ class GRPOTrainer(Trainer):
         """
         self._rounds_drawn = int(state.get("prompt_rounds",
                                            self.global_step // self.grpo.ppo_epochs))
+        ahead = state.get("ahead") or []  # by rank
+        self._ahead = ahead[self.strategy.rank] if len(ahead) == self.strategy.world_size \
+            else None
+        if len(ahead) != self.strategy.world_size and any(a is not None for a in ahead):
+            # saved at another world size: its prompts are drawn anew
+            self._rounds_drawn -= 1
 
     @property
     def _rounds_per_epoch(self) -> int:
@@ -317,17 +339,28 @@ class GRPOTrainer(Trainer):
         Returns:
             The completion token ids, one row per prompt.
         """
+        self._sync_rollouts()
+        return generate_completions(self.rollouts, prompt_ids, prompt_mask,
+                                    self._settings(sample), group)
+
+    def _settings(self, sample: bool) -> dict:
         g = self.grpo
         settings = dict(max_new_tokens=g.max_new_tokens, do_sample=sample,
                         eos_token_id=self.tokenizer.eos_token_id,
                         pad_token_id=self.tokenizer.pad_token_id)
         if sample:
             settings.update(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
-        if self._synced_at != self.global_step:  # the policy moved since the last sync
+        return settings
+
+    def _sync_rollouts(self) -> None:
+        """The rollout engine to the policy's weights, if they moved since its last sync (an
+        in-flight generation finished first: nothing else may use the engine meanwhile)."""
+        if self._ahead is not None and hasattr(self._ahead[1], "join"):
+            self._ahead[1].join()
+        if self._synced_at != self.global_step:
             start = time.perf_counter()
             self.rollouts.sync()
             self._synced_at, self._sync_s = self.global_step, time.perf_counter() - start
-        return generate_completions(self.rollouts, prompt_ids, prompt_mask, settings, group)
 
     def _completions(self, completions: torch.Tensor) -> list[list[int]]:
         """Each completion's tokens up to and including its first end-of-sequence token."""
@@ -358,13 +391,24 @@ class GRPOTrainer(Trainer):
             The ``Sampled`` groups.
         """
         g = self.grpo.group_size
-        ids = batch["prompt_ids"].repeat_interleave(g, dim=0).to(self.model.device)
-        mask = batch["prompt_mask"].repeat_interleave(g, dim=0).to(self.model.device)
+        ids, mask = self._grouped(batch)
         with sampling_rng(self.strategy.config.seed, self.global_step, self.strategy.rank,
                           round_):
-            completions = self._completions(self.generate(ids, mask, sample=True,
-                                                          group=g).cpu())
-        engine = getattr(self.rollouts, "logprobs", None)  # vLLM's, of each sampled token
+            out = self.generate(ids, mask, sample=True, group=g)
+        return self._scored(batch, ids, mask, out, getattr(self.rollouts, "logprobs", None))
+
+    def _grouped(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts, each repeated ``group_size`` times."""
+        g, device = self.grpo.group_size, self.model.device
+        return (batch["prompt_ids"].repeat_interleave(g, dim=0).to(device),
+                batch["prompt_mask"].repeat_interleave(g, dim=0).to(device))
+
+    def _scored(self, batch: dict, ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor,
+                engine: list[list[float]] | None) -> Sampled:
+        """``Sampled`` of generated completions (``out``: right of the prompts), scored; with
+        the engine's log-probs of their tokens when it gave them (vLLM)."""
+        g = self.grpo.group_size
+        completions = self._completions(out.cpu())
         engine_logps = [] if engine is None else [lp[:len(c)] for lp, c in zip(engine,
                                                                                 completions)]
         prompts = [p for p in batch["prompts"] for _ in range(g)]
@@ -613,6 +657,46 @@ class GRPOTrainer(Trainer):
             batch.update(shared_prompts(prompts, completions, pad))
         return batch
 
+    # ------------------------------------------------------------ asynchronous rollouts
+    def rollout_ahead(self) -> tuple[list[dict], dict]:
+        """``--async_rollouts 1``: this step's rollout was generated while the step before it
+        trained, from the weights before that update (the first one: now); it is scored here,
+        then the next rollout's generation starts on a thread of its own before this one trains.
+        ``staleness`` logs how many updates behind the policy its samples are.
+
+        Returns:
+            ``(micro-batches, metrics)``, as ``rollout``'s.
+        """
+        start = time.perf_counter()
+        if self._ahead is None:  # the first rollout (or a resume without one in flight)
+            self._ahead = self._launch(self.next_prompts())
+        batch, ahead, version = self._ahead
+        out, engine = ahead.wait() if hasattr(ahead, "wait") else ahead
+        self._ahead = None
+        ids, mask = self._grouped(batch)
+        sampled = self._scored(batch, ids, mask, out[:, ids.shape[1]:], engine)
+        self._components = sampled.components
+        batches, metrics = self.experience(sampled)
+        rollout = self.global_step // self.grpo.ppo_epochs
+        if rollout + 1 < self.step_plan.total_steps // self.grpo.ppo_epochs:
+            self._ahead = self._launch(self.next_prompts())
+        if self._sync_s is not None:
+            metrics["weight_sync_s"], self._sync_s = (self._sync_s, 1), None
+        return batches, {**metrics, "staleness": (float(rollout - version), 1),
+                         "generation_s": (time.perf_counter() - start, 1)}
+
+    def _launch(self, batch: dict) -> tuple[dict, Any, int]:
+        """Start generating ``batch``'s rollout from the current weights: the engine synced, the
+        seeds drawn now from the generator of the step it will train at."""
+        self._sync_rollouts()
+        ids, mask = self._grouped(batch)
+        rollout = self.global_step // self.grpo.ppo_epochs  # updates so far: the version
+        step = (self._rounds_drawn - 1) * self.grpo.ppo_epochs  # where ``batch`` will train
+        with sampling_rng(self.strategy.config.seed, step, self.strategy.rank):
+            ahead = self.rollouts.start_generate(ids, mask, GenerationConfig(
+                **self._settings(True)))
+        return batch, ahead, rollout
+
     # ------------------------------------------------------------ update
     def loss_counts(self, batch: dict) -> dict[str, int]:
         if "prompt_ids" in batch:  # evaluation: prompts
@@ -671,7 +755,10 @@ class GRPOTrainer(Trainer):
             ``Step``: the rollout's micro-batches and metrics, ``ppo_epochs`` times per rollout.
         """
         for _ in range(count // self.grpo.ppo_epochs):
-            batches, rollout_metrics = self.rollout(self.next_prompts())
+            if self.rollout_config.async_rollouts:
+                batches, rollout_metrics = self.rollout_ahead()
+            else:
+                batches, rollout_metrics = self.rollout(self.next_prompts())
             self._old_logps = {}
             for _ in range(self.grpo.ppo_epochs):
                 yield Step(batches, rollout_metrics)
