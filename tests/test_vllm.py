@@ -130,9 +130,9 @@ def test_an_engine_that_fails_or_hangs_stops_every_rank_in_one_line(toy, fault, 
 def test_distillation_samples_on_vllm_as_on_hf(toy):
     """``strategy distill --rollout_engine vllm``: on-policy steps (``--lmbda 1``) sampled by the
     vLLM engine at a temperature below vLLM's greedy threshold (1e-5) train the student as the
-    ``hf`` engine's samples do: losses step by step and held-out figures within 2% (a fresh
-    student's logits have near-ties that the two engines break apart: the first step's loss
-    differs by 0.5%)."""
+    ``hf`` engine's samples do: losses step by step and held-out figures within 5% (a fresh
+    student's logits have near-ties that the two engines break apart: 0.5% at the first step,
+    2-3% at the second; an engine whose weights were never synced is 9% off at the first)."""
     from tests.support.helpers import run_job, torchrun_command
 
     logs = {}
@@ -159,7 +159,7 @@ def test_distillation_samples_on_vllm_as_on_hf(toy):
         assert want.keys() == got.keys()
         for key in want:
             if key.endswith(("loss", "jsd", "on_policy", "exact_match")):
-                assert got[key] == pytest.approx(want[key], rel=0.02, abs=1e-6), key
+                assert got[key] == pytest.approx(want[key], rel=0.05, abs=1e-6), key
 
 
 @needs_vllm
