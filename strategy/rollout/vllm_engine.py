@@ -26,6 +26,7 @@ OpenRLHF's hybrid engine), fed the policy's weights after every change.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import importlib.util
 import os
@@ -218,7 +219,8 @@ class VllmRollout:
         self.rank = int(os.environ.get("RANK", "0"))
         first = next(self.source.parameters())
         check_head_size(base_model(self.source).config)
-        self._dir = tempfile.mkdtemp(prefix="strategy-vllm-")
+        self._dir = tempfile.mkdtemp(prefix="strategy-vllm-")  # this rank's, gone at exit
+        atexit.register(shutil.rmtree, self._dir, ignore_errors=True)
         self._tied = save_untied_config(base_model(self.source), self._dir)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.vllm_cpu_kv_cache_gb))
         with kept_process_state():
@@ -308,6 +310,3 @@ class VllmRollout:
         width = max((len(t) for t in tokens), default=0)
         new = torch.tensor([t + [pad] * (width - len(t)) for t in tokens], dtype=input_ids.dtype)
         return torch.cat([input_ids, new.to(input_ids.device).reshape(len(tokens), width)], 1)
-
-    def close(self) -> None:
-        shutil.rmtree(self._dir, ignore_errors=True)
