@@ -499,7 +499,7 @@ class DeepSpeedStrategy:
             ConfigError: ``full`` needs more memory than a rank has free.
         """
         if rollout is not None and rollout.vllm:
-            check_vllm_settings(rollout, get_accelerator().device_name() == "cuda")
+            check_vllm_settings(rollout)
             return VllmRollout(engine, rollout, max_model_len, self.config.seed * 1_009 + self.rank)
         if gather == "full" and is_partitioned(engine.module):
             check_fits(engine.module, int(self.all_reduce(float(free_memory_bytes()), op="min")))

@@ -35,7 +35,6 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -61,10 +60,13 @@ def check_vllm_installed() -> None:
         raise ConfigError(f"rollout_engine='vllm' is invalid: vLLM is not installed; {INSTALL}")
 
 
-def check_vllm_settings(config: RolloutConfig, on_cuda: bool) -> None:
-    """The engine settings this machine cannot run, refused in one line."""
+def check_vllm_settings(config: RolloutConfig) -> None:
+    """With ``--rollout_engine vllm``: the engine settings this machine cannot run, refused in
+    one line (nothing for the ``hf`` engine)."""
+    if not config.vllm:
+        return
     check_vllm_installed()
-    if config.vllm_enable_sleep and not on_cuda:
+    if config.vllm_enable_sleep and not torch.cuda.is_available():
         raise ConfigError("vllm_enable_sleep=True is invalid: vLLM's sleep mode needs a CUDA "
                           "GPU; drop --vllm_enable_sleep")
     if config.vllm_tensor_parallel_size != 1:
@@ -165,6 +167,12 @@ def draw_seeds(rows: int) -> list[int]:
     return torch.randint(0, 2**31 - 1, (rows,)).tolist()
 
 
+def engine_error(call: str) -> Callable[[int, str], RankFailedError]:
+    """``dist.checked``'s error for a failed engine call: one line naming the engine's rank."""
+    return lambda rank, message: RankFailedError(
+        f"vLLM engine on rank {rank} failed in {call}: {message}")
+
+
 class Ahead:
     """A generation running on a thread of its own; ``wait`` (collective) gives its result, or
     raises its error on every rank as one line naming the engine's rank."""
@@ -196,8 +204,20 @@ class Ahead:
                 raise value
             return value
 
-        return checked(result, make=lambda rank, message: RankFailedError(
-            f"vLLM engine on rank {rank} failed in generate: {message}"))
+        return checked(result, make=engine_error("generate"))
+
+
+class Done:
+    """A generation already finished (one saved with a checkpoint), as ``Ahead`` gives it."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def join(self) -> None:
+        """Nothing to wait for."""
+
+    def wait(self) -> Any:
+        return self.value
 
 
 class VllmRollout:
@@ -235,7 +255,6 @@ class VllmRollout:
         plan = plan_export(self.source, None, 2**62, merge_lora=is_peft_model(self.source))
         self._groups = group_units(plan.units)
         self.logprobs: list[list[float]] | None = None  # the last generate's, per row
-        self.sync_seconds = 0.0  # the last sync's
         self._asleep = False
 
     def _weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -255,20 +274,17 @@ class VllmRollout:
         them naming the engine, the call and the rank; a hang bounded by ``vllm_timeout``."""
         what = f"the vLLM engine on rank {self.rank} ({name})"
         with deadline(self.config.vllm_timeout, what):
-            return checked(fn, make=lambda rank, message: RankFailedError(
-                f"vLLM engine on rank {rank} failed in {name}: {message}"))
+            return checked(fn, make=engine_error(name))
 
     def sync(self) -> None:
         """Stream the policy's current weights into the engine (every rank calls this alike)."""
         self._call("sync", self._sync)
 
     def _sync(self) -> None:
-        start = time.perf_counter()
         if self._asleep:
             self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._weights()})
         self.llm.reset_prefix_cache()
-        self.sync_seconds = time.perf_counter() - start
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  generation_config: GenerationConfig, group: int = 1) -> torch.Tensor:

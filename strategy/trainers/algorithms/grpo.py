@@ -55,7 +55,7 @@ from transformers import GenerationConfig
 from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.rollout.config import RolloutConfig
-from strategy.rollout.vllm_engine import check_vllm_settings
+from strategy.rollout.vllm_engine import Done, check_vllm_settings
 from strategy.trainers.algorithms.completions import (
     completion_batch,
     engine_layout,
@@ -110,8 +110,7 @@ def check_grpo(strategy_config: Any, train: Any, grpo: GRPOConfig, max_len: int,
 
 def check_rollout(rollout: RolloutConfig, grpo: GRPOConfig) -> None:
     """The rollout engine's settings GRPO/PPO cannot run with, before any process group."""
-    if rollout.vllm:
-        check_vllm_settings(rollout, torch.cuda.is_available())
+    check_vllm_settings(rollout)
     if rollout.async_rollouts and not rollout.vllm:
         fail("async_rollouts", rollout.async_rollouts, "the hf engine generates with the "
              "training ranks' own module, so nothing would overlap; add --rollout_engine vllm")
@@ -282,10 +281,12 @@ class GRPOTrainer(Trainer):
         """
         state = {"prompt_rounds": self._rounds_drawn}
         if self.rollout_config.async_rollouts:
-            if self._ahead is not None and hasattr(self._ahead[1], "wait"):
-                batch, ahead, version = self._ahead
-                self._ahead = (batch, ahead.wait(), version)
-            state["ahead"] = self.strategy.all_gather_object(self._ahead)  # rank 0 saves it
+            ahead = None
+            if self._ahead is not None:
+                batch, generation, version = self._ahead
+                ahead = (batch, generation.wait(), version)
+                self._ahead = (batch, Done(ahead[1]), version)
+            state["ahead"] = self.strategy.all_gather_object(ahead)  # rank 0 saves it
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:
@@ -297,8 +298,8 @@ class GRPOTrainer(Trainer):
         self._rounds_drawn = int(state.get("prompt_rounds",
                                            self.global_step // self.grpo.ppo_epochs))
         ahead = state.get("ahead") or []  # by rank
-        self._ahead = ahead[self.strategy.rank] if len(ahead) == self.strategy.world_size \
-            else None
+        mine = ahead[self.strategy.rank] if len(ahead) == self.strategy.world_size else None
+        self._ahead = None if mine is None else (mine[0], Done(mine[1]), mine[2])
         if len(ahead) != self.strategy.world_size and any(a is not None for a in ahead):
             # saved at another world size: its prompts are drawn anew
             self._rounds_drawn -= 1
@@ -355,7 +356,7 @@ class GRPOTrainer(Trainer):
     def _sync_rollouts(self) -> None:
         """The rollout engine to the policy's weights, if they moved since its last sync (an
         in-flight generation finished first: nothing else may use the engine meanwhile)."""
-        if self._ahead is not None and hasattr(self._ahead[1], "join"):
+        if self._ahead is not None:
             self._ahead[1].join()
         if self._synced_at != self.global_step:
             start = time.perf_counter()
@@ -468,9 +469,13 @@ class GRPOTrainer(Trainer):
             sampled = self.sample(batch)
         self._components = sampled.components
         batches, more = self.experience(sampled, filler * self.grpo.group_size)
-        if self._sync_s is not None:  # this rollout's sync (none when the policy had not moved)
-            metrics["weight_sync_s"], self._sync_s = (self._sync_s, 1), None
-        return batches, {**more, **metrics, "generation_s": (time.perf_counter() - start, 1)}
+        return batches, {**more, **metrics, **self._sync_metric(),
+                         "generation_s": (time.perf_counter() - start, 1)}
+
+    def _sync_metric(self) -> dict:
+        """This rollout's ``weight_sync_s`` (none when the policy had not moved), taken once."""
+        seconds, self._sync_s = self._sync_s, None
+        return {} if seconds is None else {"weight_sync_s": (seconds, 1)}
 
     def experience(self, sampled: Sampled, filler: int = 0) -> tuple[list[dict], dict]:
         """Micro-batches of ``sampled`` with shaped rewards, reference log-probs and
@@ -670,8 +675,8 @@ class GRPOTrainer(Trainer):
         start = time.perf_counter()
         if self._ahead is None:  # the first rollout (or a resume without one in flight)
             self._ahead = self._launch(self.next_prompts())
-        batch, ahead, version = self._ahead
-        out, engine = ahead.wait() if hasattr(ahead, "wait") else ahead
+        batch, generation, version = self._ahead
+        out, engine = generation.wait()
         self._ahead = None
         ids, mask = self._grouped(batch)
         sampled = self._scored(batch, ids, mask, out[:, ids.shape[1]:], engine)
@@ -680,9 +685,8 @@ class GRPOTrainer(Trainer):
         rollout = self.global_step // self.grpo.ppo_epochs
         if rollout + 1 < self.step_plan.total_steps // self.grpo.ppo_epochs:
             self._ahead = self._launch(self.next_prompts())
-        if self._sync_s is not None:
-            metrics["weight_sync_s"], self._sync_s = (self._sync_s, 1), None
-        return batches, {**metrics, "staleness": (float(rollout - version), 1),
+        return batches, {**metrics, **self._sync_metric(),
+                         "staleness": (float(rollout - version), 1),
                          "generation_s": (time.perf_counter() - start, 1)}
 
     def _launch(self, batch: dict) -> tuple[dict, Any, int]:
