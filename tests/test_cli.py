@@ -209,7 +209,7 @@ def test_every_openrlhf_flag_is_mapped_or_refused_and_each_mapping_sets_our_fiel
                     got = namespace[target]
                     assert got is not None, (flag, command, argv)
                     if wanted == 0 and len(template) == 2:  # a flag set to one value
-                        assert got == template[1], (flag, got)
+                        assert str(got) == template[1], (flag, got)
                     elif wanted == 0:
                         assert got is (not template[0].startswith("--no-")), (flag, got)
                 checked += 1

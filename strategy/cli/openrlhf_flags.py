@@ -187,6 +187,11 @@ DOTTED: dict[str, tuple[str, ...]] = {
     "algo.advantage.is_correction_enable": ("--is_correction", "tis"),
     "algo.advantage.is_correction_type": ("--is_correction", "{}"),
     "algo.advantage.is_correction_threshold": ("--is_correction_threshold", "{}", "{}"),
+    # the file's import line: from strategy.agents import AgentInstanceBase, ...
+    "train.agent_func_path": ("--agent_func_path", "{}"),
+    # one rollout ahead at most here (--async_rollouts 0 or 1); a queue size alone turns it on
+    "train.async_enable": ("--async_rollouts", "1"),
+    "train.async_queue_size": ("--async_rollouts", "{}"),
 }
 
 VALUE_MAPS: dict[str, dict[str, str]] = {
@@ -206,8 +211,8 @@ _VLLM = ("vLLM engines here are colocated, one on every rank: --rollout_engine v
          "synced in process, no Ray)")
 _MUON = "Muon is not here; --optimizer fused_adam, cpu_adam or hybrid_adam (Adam)"
 _VLM = "vision-language training is not here; text prompts only"
-_ASYNC = ("asynchronous rollouts are not here yet: rollout and update alternate on every rank "
-          "(issue 37)")
+_ASYNC = ("partial rollouts are not here: a rollout is generated whole, on the weights of one "
+          "update (--async_rollouts 1 generates it while the step before trains)")
 _CRITIC = "the critic takes the policy's {} (its own setting here: --critic_learning_rate)"
 _TOKENS = ("token-budget batching is not here: micro-batches count samples "
            "(--micro_train_batch_size)")
@@ -298,8 +303,6 @@ REFUSED: dict[str, str] = {
     "vllm.sync_with_ray": _VLLM,
     "vllm.enable_prefix_caching": "our vLLM engines always cache prefixes; drop it",
     "rollout.vllm_generate_batch_size": _VLLM,
-    "train.async_enable": _ASYNC,
-    "train.async_queue_size": _ASYNC,
     "train.partial_rollout_enable": _ASYNC,
     # ---- PPO / GRPO
     "train.dynamic_batch_enable": _TOKENS,
@@ -322,10 +325,9 @@ REFUSED: dict[str, str] = {
                                   "dr_grpo is the group mean alone",
     "reward.remote_url": "no remote or file reward here: --reward_fn module:function, or "
                          "--reward_pretrain DIR",
-    "train.agent_func_path": "multi-turn agents are not here: one completion per sample, scored "
-                             "by --reward_fn",
     "data.label_key": "reward functions get the whole row (f(prompt, completion, row)): read the "
-                      "label there; --output_key is the eval exact_match answer",
+                      "label there; --output_key is the eval exact_match answer and an "
+                      "agent's label",
     "eval.temperature": "held-out prompts are decoded greedily here, one completion each",
     "eval.n_samples_per_prompt": "held-out prompts are decoded greedily here, one completion each",
     # ---- vision-language

@@ -19,10 +19,13 @@ def main(argv: list[str] | None = None) -> dict:
     with Run.from_args(command_argv(argv, "grpo"), trainer=GRPOTrainer) as run:
         model, grpo = run.model(), run.config(GRPOConfig)
         reference = reference_model(run, model) if grpo.kl_coef > 0 else None  # the KL's anchor
+        reward = None if grpo.agent_func_path else build_rewards(run, grpo)  # the agent's
         trainer = run.trainer(GRPOTrainer, model, grpo=grpo, ref_model=reference,
-                              reward=build_rewards(run, grpo), answer_key=run.data.output_key,
+                              reward=reward,
+                              answer_key=run.data.output_key,
                               packing=run.data.packing_samples,
-                              rollout=run.config(RolloutConfig))
+                              rollout=run.config(RolloutConfig),
+                              max_len=run.data.max_len)
         return trainer.fit()
 
 

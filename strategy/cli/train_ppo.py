@@ -21,11 +21,14 @@ def main(argv: list[str] | None = None) -> dict:
     with Run.from_args(command_argv(argv, "ppo"), trainer=PPOTrainer) as run:
         model, ppo = run.model(), run.config(PPOConfig)
         reference = reference_model(run, model) if ppo.kl_coef > 0 else None  # the KL's anchor
+        reward = None if ppo.agent_func_path else build_rewards(run, ppo)  # the agent's
         trainer = run.trainer(PPOTrainer, model, grpo=ppo, ref_model=reference,
-                              reward=build_rewards(run, ppo), critic=build_critic(run, ppo),
+                              reward=reward,
+                              critic=build_critic(run, ppo),
                               answer_key=run.data.output_key,
                               packing=run.data.packing_samples,
-                              rollout=run.config(RolloutConfig))
+                              rollout=run.config(RolloutConfig),
+                              max_len=run.data.max_len)
         return trainer.fit()
 
 

@@ -440,6 +440,17 @@ class GRPOConfig:
     gamma: float = doc("GRPO/PPO: discount of per-token returns (< 1: each token's advantage is "
                        "its discounted return, the outcome on the last token; OpenRLHF's gamma)",
                        1.0)
+    agent_func_path: str | None = doc(
+        "GRPO/PPO: multi-turn episodes: a Python file whose class AgentInstance (OpenRLHF's "
+        "agent interface, strategy.agents) answers each model turn with feedback, a reward and "
+        "done; the feedback is context only (no loss). Its rewards replace --reward_fn "
+        "(OpenRLHF's --train.agent_func_path; None: one completion per prompt)", None)
+    max_turns: int = doc("GRPO/PPO with --agent_func_path: model turns per episode at most "
+                         "(each at most --max_new_tokens; prompt, turns and feedback at most "
+                         "--max_len)", 8)
+    agent_timeout: float = doc("GRPO/PPO with --agent_func_path: seconds one turn's environment "
+                               "calls (reset, step) may take before every rank stops with a line "
+                               "naming the episode (0: no limit)", 300.0)
 
     estimators = OUTCOME_ESTIMATORS  # what this config's trainer can estimate without a critic
 
@@ -455,6 +466,22 @@ class GRPOConfig:
         """Whether advantages are per token (a KL in the reward, a discount, or GAE) rather
         than one per completion."""
         return self.kl_in_reward or self.gamma < 1 or self.advantage_estimator == "gae"
+
+    def _check_agent(self) -> None:
+        """Multi-turn episodes' settings, and what they cannot run with."""
+        check_positive(self, "max_turns")
+        if self.agent_timeout < 0:
+            fail("agent_timeout", self.agent_timeout, "use seconds > 0, or 0 for no limit")
+        if self.agent_func_path is None:
+            return
+        for name in ("reward_fn", "reward_pretrain"):
+            if getattr(self, name) is not None:
+                fail(name, getattr(self, name), "the environment's step returns the rewards "
+                     "with --agent_func_path; drop one of them")
+        for name in ("overlong_buffer_len", "stop_properly_penalty_coef"):
+            if getattr(self, name) is not None:
+                fail(name, getattr(self, name), "it shapes one completion's length; an episode's "
+                     "environment rewards its turns: drop it with --agent_func_path")
 
     def _check_length_shaping(self) -> None:
         """The length penalties' ranges (OpenRLHF's asserts, as one-line refusals)."""
@@ -532,9 +559,11 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         check_positive(self, "group_size", "ppo_epochs", "max_new_tokens")
-        if self.reward_fn is None and self.reward_pretrain is None:
+        if self.reward_fn is None and self.reward_pretrain is None \
+                and self.agent_func_path is None:
             fail("reward_fn", None, "name a reward: --reward_fn module:function or "
-                 "--reward_pretrain RM_DIR")
+                 "--reward_pretrain RM_DIR (or an environment: --agent_func_path FILE)")
+        self._check_agent()
         if self.reward_weights is not None:
             self.weights()
         if self.reward_timeout < 0:

@@ -70,19 +70,26 @@ def until_eos(completions: torch.Tensor, eos: int) -> list[list[int]]:
     return out
 
 
-def completion_batch(prompts: list[list[int]], completions: list[list[int]], pad: int) -> dict:
+def completion_batch(prompts: list[list[int]], completions: list[list[int]], pad: int,
+                     scored: list[list[bool]] | None = None) -> dict:
     """Prompt + completion rows, right-padded, scored on the completion (``labels``).
 
     Args:
         prompts: each row's prompt tokens.
         completions: its completion tokens.
         pad: the padding id.
+        scored: per completion token, whether it is scored (None: all; an episode's feedback is
+            not: its label is ``IGNORE``).
 
     Returns:
         ``input_ids``, ``labels`` and ``attention_mask``.
     """
     ids = [p + c for p, c in zip(prompts, completions)]
-    labels = [[IGNORE] * len(p) + c for p, c in zip(prompts, completions)]
+    if scored is None:
+        labels = [[IGNORE] * len(p) + c for p, c in zip(prompts, completions)]
+    else:
+        labels = [[IGNORE] * len(p) + [t if keep else IGNORE for t, keep in zip(c, m)]
+                  for p, c, m in zip(prompts, completions, scored)]
     width = max(len(x) for x in ids)
     return {"input_ids": torch.tensor([x + [pad] * (width - len(x)) for x in ids]),
             "labels": torch.tensor([x + [IGNORE] * (width - len(x)) for x in labels]),
@@ -121,13 +128,13 @@ def longest_prompt(*loaders: Any, key: str = "prompt_ids") -> int:
                 for row in loader.dataset), default=1)
 
 
-def engine_layout(prompts: list[list[int]], logps: list[list[float]],
-                  width: int) -> torch.Tensor:
-    """A rollout engine's per-token log-probs of completions, laid out as ``token_logps``'s output
-    for ``completion_batch``'s rows of ``width`` tokens (position ``j`` predicts token ``j + 1``;
-    zero elsewhere)."""
+def token_layout(prompts: list[list[int]], values: list[list[float]],
+                 width: int) -> torch.Tensor:
+    """Per-token values of completions (a rollout engine's log-probs, an episode's turn
+    rewards), laid out as ``token_logps``'s output for ``completion_batch``'s rows of ``width``
+    tokens (position ``j`` predicts token ``j + 1``; zero elsewhere)."""
     out = torch.zeros(len(prompts), width - 1)
-    for row, (prompt, values) in enumerate(zip(prompts, logps)):
+    for row, (prompt, along) in enumerate(zip(prompts, values)):
         start = len(prompt) - 1
-        out[row, start:start + len(values)] = torch.tensor(values, dtype=torch.float32)
+        out[row, start:start + len(along)] = torch.tensor(along, dtype=torch.float32)
     return out

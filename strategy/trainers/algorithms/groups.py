@@ -28,6 +28,8 @@ class Sampled:
         rows: its dataset row.
         components: each reward of a weighted sum by name: its scores.
         engine_logps: the rollout engine's log-prob of each completion token (vLLM), or empty.
+        episodes: the multi-turn episodes the completions are (``--agent_func_path``), or empty:
+            which tokens the model made, the turns' rewards, which episodes were cut.
     """
 
     prompt_ids: list[list[int]]
@@ -37,9 +39,18 @@ class Sampled:
     rows: list[dict]
     components: dict[str, list[float]] = field(default_factory=dict)
     engine_logps: list[list[float]] = field(default_factory=list)
+    episodes: list = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.completions)
+
+    @property
+    def filter_scores(self) -> list[float]:
+        """What dynamic sampling reads: the scores, or an episode's last ``scores`` from its
+        environment where it gave them (OpenRLHF's)."""
+        if not self.episodes:
+            return self.scores
+        return [s if e.score is None else e.score for s, e in zip(self.scores, self.episodes)]
 
     def split(self, size: int) -> list[Sampled]:
         """Its groups, ``size`` completions each."""
@@ -49,7 +60,7 @@ class Sampled:
         return Sampled(self.prompt_ids[start:stop], self.completions[start:stop],
                        self.scores[start:stop], self.prompts[start:stop], self.rows[start:stop],
                        {k: v[start:stop] for k, v in self.components.items()},
-                       self.engine_logps[start:stop])
+                       self.engine_logps[start:stop], self.episodes[start:stop])
 
     @classmethod
     def join(cls, parts: list[Sampled]) -> Sampled:
@@ -58,7 +69,8 @@ class Sampled:
         return cls(*([x for p in parts for x in getattr(p, name)]
                      for name in ("prompt_ids", "completions", "scores", "prompts", "rows")),
                    {k: [x for p in parts for x in p.components.get(k, [])] for k in names},
-                   [x for p in parts for x in p.engine_logps])
+                   [x for p in parts for x in p.engine_logps],
+                   [x for p in parts for x in p.episodes])
 
 
 def informative(groups: list[Sampled], low: float, high: float) -> list[bool]:
@@ -73,7 +85,7 @@ def informative(groups: list[Sampled], low: float, high: float) -> list[bool]:
     Returns:
         One flag per group.
     """
-    return [low < sum(g.scores) / len(g.scores) < high for g in groups]
+    return [low < sum(g.filter_scores) / len(g.filter_scores) < high for g in groups]
 
 
 def deal(pool: list[Sampled], per_rank: int, rank: int,

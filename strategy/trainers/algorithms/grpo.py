@@ -52,18 +52,21 @@ from typing import Any, Callable, Iterator
 import torch
 from transformers import GenerationConfig
 
+from strategy.agents import load_agent
 from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.rollout.config import RolloutConfig
 from strategy.rollout.vllm_engine import Done, check_vllm_settings
 from strategy.trainers.algorithms.completions import (
     completion_batch,
-    engine_layout,
     generate_completions,
+    left_padded,
     longest_prompt,
     sampling_rng,
+    token_layout,
     until_eos,
 )
+from strategy.trainers.algorithms.episodes import EpisodeRunner, turn_values
 from strategy.trainers.algorithms.groups import Sampled, deal, informative
 from strategy.trainers.algorithms.rewards import load_reward_fn
 from strategy.trainers.config import DataConfig, GRPOConfig, ModelConfig, TrainConfig
@@ -88,6 +91,7 @@ from strategy.trainers.losses import (
 from strategy.trainers.losses.advantages import WHITENED
 
 Reward = Callable[[list[str], list[str], list[dict]], list[float]]
+PER_TURN = ("gae", "reinforce")  # estimators that take each episode turn's reward where it falls
 
 
 def check_grpo(strategy_config: Any, train: Any, grpo: GRPOConfig, max_len: int,
@@ -117,6 +121,9 @@ def check_rollout(rollout: RolloutConfig, grpo: GRPOConfig) -> None:
     if rollout.async_rollouts and grpo.dynamic_filtering:
         fail("async_rollouts", rollout.async_rollouts, "dynamic sampling decides the next "
              "round from this one's rewards; drop one of them")
+    if rollout.async_rollouts and grpo.agent_func_path:
+        fail("async_rollouts", rollout.async_rollouts, "an episode's next turn waits for the "
+             "environment's answer to the last; drop one of --async_rollouts, --agent_func_path")
     if rollout.is_correction is not None and grpo.policy_loss_type != "ppo":
         fail("is_correction", rollout.is_correction, "it weighs each token's loss, as "
              "OpenRLHF's; use it with --policy_loss_type ppo or drop it")
@@ -140,8 +147,10 @@ class GRPOTrainer(Trainer):
         tokenizer: decodes completions; its eos and pad ids end and pad them.
         grpo: the ``GRPOConfig`` (required).
         ref_model: the frozen reference for the KL term (required when ``kl_coef`` > 0).
-        reward: ``reward(prompts, completions, rows) -> floats`` (required).
-        answer_key: the row key of the reference answer for eval ``exact_match`` (None: off).
+        reward: ``reward(prompts, completions, rows) -> floats`` (required without
+            ``grpo.agent_func_path``, whose environment rewards the episodes).
+        answer_key: the row key of the reference answer for eval ``exact_match`` (None: off;
+            an episode's last model turn is compared), and an environment's ``label``.
         rollout: the ``RolloutConfig``: which engine generates (None: ``hf``).
         packing: forward the update's micro-batches (policy, reference, critic) without their
             padding (``--packing_samples``: one packed row per micro-batch, per-sample attention
@@ -149,6 +158,8 @@ class GRPOTrainer(Trainer):
             ``grpo.shared_prompt_forward`` (by default below ZeRO-3), each distinct prompt of a
             micro-batch is forwarded once and its completions on its KV cache
             (``losses.shared_prompts``).
+        max_len: with ``grpo.agent_func_path``, an episode's prompt, turns and feedback at most
+            (``--max_len``; None: the longest prompt + ``max_turns`` x ``max_new_tokens``).
 
     Raises:
         ConfigError: ``grpo`` or ``reward`` is missing, or ``kl_coef`` > 0 without ``ref_model``.
@@ -183,6 +194,8 @@ class GRPOTrainer(Trainer):
         for spec in grpo.reward_names():
             if spec != "model":
                 load_reward_fn(spec)  # importable and callable, or one line now
+        if grpo.agent_func_path:
+            load_agent(grpo.agent_func_path)  # an environment class, or one line now
         if grpo.kl_coef > 0 and (model.ref_pretrain or model.pretrain) is None:
             fail("kl_coef", grpo.kl_coef, "the reference is the --pretrain model (or "
                  "--ref_pretrain); pass one or set --kl_coef 0")
@@ -190,9 +203,11 @@ class GRPOTrainer(Trainer):
     def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config=None, tokenizer=None, grpo: GRPOConfig | None = None,
                  ref_model=None, reward: Reward | None = None, answer_key: str | None = "output",
-                 packing: bool = False, rollout: RolloutConfig | None = None) -> None:
-        if grpo is None or reward is None:
-            fail("grpo", grpo, "GRPOTrainer needs grpo=GRPOConfig(...) and a reward callable")
+                 packing: bool = False, rollout: RolloutConfig | None = None,
+                 max_len: int | None = None) -> None:
+        if grpo is None or (reward is None and not grpo.agent_func_path):
+            fail("grpo", grpo, "GRPOTrainer needs grpo=GRPOConfig(...) and a reward callable "
+                 "(or grpo.agent_func_path)")
         if grpo.kl_coef > 0 and ref_model is None:
             fail("kl_coef", grpo.kl_coef, "a KL penalty needs ref_model; pass one or set 0")
         super().__init__(strategy, model, optimizer, scheduler, train_dataloader,
@@ -206,14 +221,19 @@ class GRPOTrainer(Trainer):
         self.per_rank = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size)
         self._old_logps: dict[int, torch.Tensor] = {}  # micro-batch -> first update's log-probs
         self.rollout_config = rollout or RolloutConfig()
-        self.rollouts = strategy.rollout_engine(
-            self.model, grpo.rollout_gather, self.rollout_config,
-            longest_prompt(train_dataloader, eval_dataloader) + grpo.max_new_tokens)
+        longest = longest_prompt(train_dataloader, eval_dataloader) + grpo.max_new_tokens
+        if grpo.agent_func_path:  # an episode's context grows turn by turn
+            longest = max_len or longest + (grpo.max_turns - 1) * grpo.max_new_tokens
+        self.rollouts = strategy.rollout_engine(self.model, grpo.rollout_gather,
+                                                self.rollout_config, longest)
         self._sync_s: float | None = None  # the last sync's seconds, logged with its rollout
         self._components: dict[str, list[float]] = {}  # the latest rollout's scores by reward
         self._synced_at: int | None = None  # the global step the rollout engine's weights are of
         self._rounds_drawn = 0  # rounds of prompts drawn so far (the prompt cursor)
         self._ahead: tuple | None = None  # --async_rollouts: (prompts, generation, version)
+        self.episodes = None if not grpo.agent_func_path else EpisodeRunner(
+            load_agent(grpo.agent_func_path), grpo.agent_func_path, tokenizer, grpo.max_turns,
+            grpo.max_new_tokens, longest, grpo.agent_timeout, strategy)
 
     # ------------------------------------------------------------ plan and resume
     @classmethod
@@ -326,7 +346,7 @@ class GRPOTrainer(Trainer):
 
     # ------------------------------------------------------------ rollout
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 sample: bool, group: int = 1) -> torch.Tensor:
+                 sample: bool, group: int = 1, max_new_tokens: int | None = None) -> torch.Tensor:
         """Completions (right of the prompts; padded after their end) from the policy. Every rank
         calls this alike; under ZeRO-3 the ranks keep stepping until all are done.
 
@@ -336,17 +356,18 @@ class GRPOTrainer(Trainer):
             sample: sample at the configured temperature, top-p and top-k (False: greedy).
             group: rows come in runs of ``group`` copies of one prompt (its prompt's forward then
                 runs once: ``RolloutEngine.generate``).
+            max_new_tokens: at most this many tokens (None: ``grpo.max_new_tokens``).
 
         Returns:
             The completion token ids, one row per prompt.
         """
         self._sync_rollouts()
         return generate_completions(self.rollouts, prompt_ids, prompt_mask,
-                                    self._settings(sample), group)
+                                    self._settings(sample, max_new_tokens), group)
 
-    def _settings(self, sample: bool) -> dict:
+    def _settings(self, sample: bool, max_new_tokens: int | None = None) -> dict:
         g = self.grpo
-        settings = dict(max_new_tokens=g.max_new_tokens, do_sample=sample,
+        settings = dict(max_new_tokens=max_new_tokens or g.max_new_tokens, do_sample=sample,
                         eos_token_id=self.tokenizer.eos_token_id,
                         pad_token_id=self.tokenizer.pad_token_id)
         if sample:
@@ -392,11 +413,44 @@ class GRPOTrainer(Trainer):
             The ``Sampled`` groups.
         """
         g = self.grpo.group_size
-        ids, mask = self._grouped(batch)
         with sampling_rng(self.strategy.config.seed, self.global_step, self.strategy.rank,
                           round_):
+            if self.episodes is not None:
+                return self.play(batch, sample=True, group=g)
+            ids, mask = self._grouped(batch)
             out = self.generate(ids, mask, sample=True, group=g)
         return self._scored(batch, ids, mask, out, getattr(self.rollouts, "logprobs", None))
+
+    def play(self, batch: dict, sample: bool, group: int) -> Sampled:
+        """``--agent_func_path``: ``group`` episodes of each prompt, played to their end with
+        the environment (``episodes``; every rank calls this alike). Scores are the episodes'
+        rewards.
+
+        Args:
+            batch: this rank's prompts.
+            sample: sample the model's turns (False: greedy).
+            group: episodes per prompt.
+
+        Returns:
+            The ``Sampled`` episodes: completions are everything after the prompt, turns and
+            feedback; ``episodes`` says which tokens the model made.
+        """
+        prompt_ids = [row[m.bool()].tolist() for row, m in zip(batch["prompt_ids"],
+                                                               batch["prompt_mask"])
+                      for _ in range(group)]
+        prompts = [p for p in batch["prompts"] for _ in range(group)]
+        rows = [r for r in batch["rows"] for _ in range(group)]
+
+        def turn(contexts: list[list[int]], max_new: int):
+            ids, mask = left_padded(contexts, self.tokenizer.pad_token_id)
+            out = self.generate(ids.to(self.model.device), mask.to(self.model.device), sample,
+                                max_new_tokens=max_new)
+            return self._completions(out.cpu()), getattr(self.rollouts, "logprobs", None)
+
+        episodes = self.episodes.run(prompts, prompt_ids, rows, self.answer_key, turn)
+        engine = [e.engine_logps for e in episodes] if self.rollout_config.vllm else []
+        return Sampled(prompt_ids, [e.tokens for e in episodes], [e.reward for e in episodes],
+                       prompts, rows, {}, engine, episodes)
 
     def _grouped(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompts, each repeated ``group_size`` times."""
@@ -488,8 +542,9 @@ class GRPOTrainer(Trainer):
         Returns:
             ``(micro-batches, metrics)``.
         """
-        completions = sampled.completions
-        truncated = torch.tensor(self._truncated(completions))
+        completions, episodes = sampled.completions, sampled.episodes
+        truncated = torch.tensor([not e.done for e in episodes] if episodes
+                                 else self._truncated(completions))
         rewards = torch.tensor(sampled.scores, dtype=torch.float32)
         rewards, shaped = self.shape_rewards(rewards, completions, truncated)
         trained = torch.arange(len(completions)) < len(completions) - filler
@@ -498,12 +553,14 @@ class GRPOTrainer(Trainer):
         micro = self.strategy.config.micro_train_batch_size
         batches = []
         for i in range(0, len(completions), micro):
-            b = self._micro_batch(sampled.prompt_ids[i:i + micro], completions[i:i + micro],
-                                  rewards[i:i + micro], index=i // micro)
+            prompts, part = sampled.prompt_ids[i:i + micro], episodes[i:i + micro]
+            b = self._micro_batch(prompts, completions[i:i + micro], rewards[i:i + micro],
+                                  index=i // micro, scored=[e.model for e in part] or None)
+            width = b["input_ids"].shape[1]
             if sampled.engine_logps:
-                b["engine_logp"] = engine_layout(sampled.prompt_ids[i:i + micro],
-                                                 sampled.engine_logps[i:i + micro],
-                                                 b["input_ids"].shape[1])
+                b["engine_logp"] = token_layout(prompts, sampled.engine_logps[i:i + micro], width)
+            if part:  # each turn's reward on its last model token
+                b["turn_rewards"] = token_layout(prompts, turn_values(part), width)
             if not trained[i:i + micro].all():
                 b["trained"] = trained[i:i + micro]
             batches.append(b)
@@ -514,9 +571,12 @@ class GRPOTrainer(Trainer):
                                                self.grpo.temperature)[0].cpu()
         self.advantages(batches)
         real = slice(0, len(completions) - filler)  # the filler's figures are not the step's
-        metrics = self._rollout_metrics(rewards[real], completions[real], truncated[real], shaped)
+        lengths = [sum(e.model) for e in episodes] or [len(c) for c in completions]
+        metrics = self._rollout_metrics(rewards[real], lengths[real], truncated[real], shaped)
         if sampled.engine_logps:
             metrics.update(self._engine_diff(batches))
+        if episodes:
+            metrics.update(self.episodes.metrics(episodes[real]))
         return batches, metrics
 
     def _engine_diff(self, batches: list[dict]) -> dict:
@@ -536,14 +596,13 @@ class GRPOTrainer(Trainer):
         return {"engine_logprob_diff": (total, count),
                 "engine_logprob_diff_max": (self.strategy.all_reduce(largest, op="max"), 1)}
 
-    def _rollout_metrics(self, rewards: torch.Tensor, completions: list[list[int]],
+    def _rollout_metrics(self, rewards: torch.Tensor, lengths: list[int],
                          truncated: torch.Tensor, shaped: dict) -> dict:
         stats = self.strategy.all_reduce({"sum": rewards.sum().item(),
                                           "sq": rewards.pow(2).sum().item(),
                                           "n": float(rewards.numel())}, op="sum")
         mean = stats["sum"] / max(stats["n"], 1)
         std = max(stats["sq"] / max(stats["n"], 1) - mean**2, 0.0) ** 0.5
-        lengths = [len(c) for c in completions]
         metrics = {"reward": (rewards.sum().item(), rewards.numel()), "reward_std": (std, 1),
                    "completion_length": (float(sum(lengths)), len(lengths)),
                    "truncated": (float(truncated.sum()), len(lengths)), **shaped}
@@ -635,6 +694,8 @@ class GRPOTrainer(Trainer):
             mask = scored_mask(b).float()
             rows = mask.shape[0]
             rewards = outcome_token_rewards(outcomes[offset:offset + rows].float(), mask)
+            if "turn_rewards" in b and g.advantage_estimator in PER_TURN:  # rewards as given
+                rewards = b["turn_rewards"].float() * mask
             offset += rows
             if g.kl_in_reward and "ref_logp" in b:  # the rollout's policy against the reference
                 with torch.no_grad():
@@ -652,9 +713,11 @@ class GRPOTrainer(Trainer):
                 b["advantages"] = whiten(b["advantages"], moments) * m
 
     def _micro_batch(self, prompts: list[list[int]], completions: list[list[int]],
-                     rewards: torch.Tensor, index: int) -> dict:
+                     rewards: torch.Tensor, index: int,
+                     scored: list[list[bool]] | None = None) -> dict:
         pad = self.tokenizer.pad_token_id
-        batch = {**completion_batch(prompts, completions, pad), "rewards": rewards.clone(),
+        batch = {**completion_batch(prompts, completions, pad, scored),
+                 "rewards": rewards.clone(),
                  "rollout_index": index}
         if self.packing:  # the forwards skip the padding; their outputs come back padded
             batch.update(padding_free(batch["input_ids"], batch["attention_mask"]))
@@ -778,13 +841,22 @@ class GRPOTrainer(Trainer):
         Returns:
             ``(sum, count)`` pairs: ``reward``, ``completion_length``, maybe ``exact_match``.
         """
-        completions = self._completions(self.generate(batch["prompt_ids"], batch["prompt_mask"],
-                                                      sample=False).cpu())
-        texts = self._texts(completions)
-        rewards = self._score(batch["prompts"], completions, texts, batch["rows"])
+        if self.episodes is not None:  # greedy episodes; the answer is the last model turn
+            with sampling_rng(self.strategy.config.seed, self.global_step, self.strategy.rank):
+                played = self.play(batch, sample=False, group=1).episodes
+            texts = self._texts([e.last_turn() for e in played])
+            rewards = torch.tensor([e.reward for e in played])
+            lengths = [sum(e.model) for e in played]
+        else:
+            completions = self._completions(self.generate(
+                batch["prompt_ids"], batch["prompt_mask"], sample=False).cpu())
+            texts = self._texts(completions)
+            rewards = self._score(batch["prompts"], completions, texts, batch["rows"])
+            lengths = [len(c) for c in completions]
         n = len(texts)
-        out = {"reward": (rewards.sum().item(), n),
-               "completion_length": (float(sum(len(c) for c in completions)), n)}
+        out = {"reward": (rewards.sum().item(), n), "completion_length": (float(sum(lengths)), n)}
+        if self.episodes is not None:
+            out.update(self.episodes.metrics(played))
         if self.answer_key and all(self.answer_key in row for row in batch["rows"]):
             hits = sum(t.strip() == str(r[self.answer_key]).strip()
                        for t, r in zip(texts, batch["rows"]))

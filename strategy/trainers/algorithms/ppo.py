@@ -143,6 +143,7 @@ class PPOTrainer(GRPOTrainer):
         answer_key: the row key of the reference answer for eval ``exact_match``.
         packing: padding-free update forwards, as ``GRPOTrainer``'s.
         rollout: the ``RolloutConfig``, as ``GRPOTrainer``'s.
+        max_len: an episode's longest context, as ``GRPOTrainer``'s.
 
     Raises:
         ConfigError: no critic, or ``grpo`` is not a ``PPOConfig``.
@@ -168,14 +169,15 @@ class PPOTrainer(GRPOTrainer):
     def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config=None, tokenizer=None, grpo: PPOConfig | None = None,
                  ref_model=None, reward=None, critic=None, answer_key: str | None = "output",
-                 packing: bool = False, rollout: RolloutConfig | None = None) -> None:
+                 packing: bool = False, rollout: RolloutConfig | None = None,
+                 max_len: int | None = None) -> None:
         if not isinstance(grpo, PPOConfig) or critic is None:
             fail("critic", critic, "PPOTrainer needs grpo=PPOConfig(...) and critic=<a value "
                  "model> (Run.critic())")
         super().__init__(strategy, model, optimizer, scheduler, train_dataloader,
                          eval_dataloader, config, tokenizer, grpo=grpo, ref_model=ref_model,
                          reward=reward, answer_key=answer_key, packing=packing,
-                         rollout=rollout)
+                         rollout=rollout, max_len=max_len)
         own = critic_strategy(strategy, grpo)  # the critic's ZeRO stage and offload
         critic_optimizer = own.create_optimizer(critic, lr=grpo.critic_learning_rate)
         schedule = own.create_scheduler(critic_optimizer,

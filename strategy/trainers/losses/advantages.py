@@ -81,14 +81,25 @@ def outcome_token_rewards(outcome: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """REINFORCE returns per token: ``G_t = r_t + gamma * G_{t+1}`` over masked ``rewards``
-    (rows x tokens)."""
+    (rows x tokens); unmasked positions between masked ones (an episode's feedback between its
+    turns: ``gaps``) are skipped, not discounted over, and zero."""
+    gap = gaps(mask)
     rewards = rewards * mask
     returns = torch.zeros_like(rewards)
     running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
-        returns[:, t] = running
+        running = torch.where(gap[:, t], running, rewards[:, t] + gamma * running)
+        returns[:, t] = running.masked_fill(gap[:, t], 0.0)
     return returns
+
+
+def gaps(mask: torch.Tensor) -> torch.Tensor:
+    """Unmasked positions with masked ones on both sides in their row (rows x tokens): an
+    episode's feedback between two model turns. A single completion has none."""
+    keep = mask.bool().long()
+    after_first = keep.cummax(dim=1).values.bool()
+    before_last = keep.flip(1).cummax(dim=1).values.flip(1).bool()
+    return ~keep.bool() & after_first & before_last
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
@@ -96,19 +107,22 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     """Generalized advantage estimation per token (rows x tokens):
     ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lambd * A_{t+1}``,
     returns ``A_t + V_t``; rewards and values are masked first, the value after the last token
-    is 0.
+    is 0. An episode's feedback between two model turns (``gaps``) is the environment's
+    transition: skipped (``t + 1`` is the next turn's first token), zero there.
 
     Returns:
         ``(advantages, returns)``.
     """
+    gap = gaps(mask)
     rewards, values = rewards * mask, values * mask
-    steps = rewards.shape[1]
     running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    following = torch.zeros_like(running)  # the value at the next position not in a gap
     advantages = torch.zeros_like(rewards)
-    for t in reversed(range(steps)):
-        following = values[:, t + 1] if t + 1 < steps else torch.zeros_like(running)
-        running = rewards[:, t] + gamma * following - values[:, t] + gamma * lambd * running
-        advantages[:, t] = running
+    for t in reversed(range(rewards.shape[1])):
+        step = rewards[:, t] + gamma * following - values[:, t] + gamma * lambd * running
+        running = torch.where(gap[:, t], running, step)
+        following = torch.where(gap[:, t], following, values[:, t])
+        advantages[:, t] = running.masked_fill(gap[:, t], 0.0)
     return advantages, advantages + values
 
 

@@ -182,7 +182,11 @@ def _prefix_scored(module, batch: dict, read: Any,
                        attention_mask=torch.cat([prefix_mask[index], batch["suffix_mask"]], 1),
                        position_ids=batch["suffix_position_ids"], use_cache=True,
                        **with_cache(cache)))
-    scored = torch.cat([first[index], rest[:, :-1]], 1)[batch["suffix_mask"].bool()]
+    # completion token k of a row is the target at position (its prompt's length - 1 + k);
+    # an episode's feedback tokens are in the suffix but not scored
+    at = (batch["suffix_position_ids"] - 1).clamp(max=mask.shape[1] - 1)
+    wanted = batch["suffix_mask"].bool() & mask.gather(1, at)
+    scored = torch.cat([first[index], rest[:, :-1]], 1)[wanted]
     if scored.shape[0] != int(mask.sum()):
         raise ValueError(f"shared_prompts' completions hold {scored.shape[0]} tokens, the labels "
                          f"score {int(mask.sum())}: build them from the same rows")
