@@ -5,7 +5,8 @@ torchrun --nproc_per_node 2 tests/scripts/vllm_grpo.py OUT.json [GRPO flags]
 
 After each rollout (the vLLM engine synced to the policy of that step) both engines generate the
 held-out prompts greedily on the same weights: vLLM's completions, and the policy's own module's
-(``EngineRollout``: ZeRO-3's partitioned forward, or the whole module below it). Rank 0 writes
+(``EngineRollout``: ZeRO-3's partitioned forward, or the whole module below it); with
+``--agent_func_path`` also whole greedy episodes on each. Rank 0 writes
 OUT.json: the history, each check's completions, and the final metrics.
 
 ``VLLM_FAULT=raise:R`` or ``hang:R``: rank R's engine raises, or never returns, in its third
@@ -42,6 +43,14 @@ class CheckedGRPO(GRPOTrainer):
         got = {name: self._completions(generate_completions(engine, ids, mask.to(ids.device),
                                                             settings).cpu())
                for name, engine in (("vllm", self.rollouts), ("hf", hf))}
+        if self.episodes is not None:  # --agent_func_path: whole greedy episodes on each engine
+            for name, engine in (("vllm", self.rollouts), ("hf", hf)):
+                kept, self.rollouts = self.rollouts, engine
+                try:
+                    played = self.play(held, sample=False, group=1).episodes
+                finally:
+                    self.rollouts = kept
+                got[f"episodes_{name}"] = [[e.tokens, e.model] for e in played]
         self.checks.append({"step": self.global_step, **got})
         return out
 
@@ -69,8 +78,9 @@ def main() -> None:
     with Run.from_args(argv, trainer=CheckedGRPO) as run:
         model, grpo = run.model(), run.config(GRPOConfig)
         reference = reference_model(run, model) if grpo.kl_coef > 0 else None
-        trainer = run.trainer(CheckedGRPO, model, grpo=grpo, ref_model=reference,
-                              reward=build_rewards(run, grpo), rollout=run.config(RolloutConfig))
+        reward = None if grpo.agent_func_path else build_rewards(run, grpo)
+        trainer = run.trainer(CheckedGRPO, model, grpo=grpo, ref_model=reference, reward=reward,
+                              rollout=run.config(RolloutConfig), max_len=run.data.max_len)
         trainer.checks = []
         inject(trainer.rollouts.llm, run.strategy.rank)
         final = trainer.fit()
