@@ -40,8 +40,8 @@ class AgentInstanceBase(ABC):
     """One episode's environment (OpenRLHF's ``AgentInstanceBase``): ``reset``, then ``step``
     after each model turn."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: B027 - optional, as OpenRLHF's
+        """An episode's environment, made with no arguments."""
 
     async def reset(self, states: dict, **kwargs: Any) -> dict:
         """The episode's first context: ``{"observation": text}`` (default: the prompt)."""

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import types
 
 import pytest
@@ -56,7 +54,8 @@ def runner(tok, path=THREE, max_turns=8, max_new=8, max_len=64):
     from strategy.agents import load_agent
     from strategy.trainers.algorithms.episodes import EpisodeRunner
 
-    return EpisodeRunner(load_agent(path), path, tok, max_turns, max_new, max_len, 5.0, solo())
+    return EpisodeRunner(load_agent(path), f"agent_func_path={path!r}", tok, max_turns, max_new,
+                         max_len, 5.0, solo())
 
 
 def ids(tok, text):
@@ -206,6 +205,134 @@ def test_a_bad_step_result_names_the_file_episode_and_turn(tmp_path, tok):
                               "(or a one-element tensor)")
 
 
+def slow_multiply(a: int, b: int) -> int:
+    """Multiply, after a long wait.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    import time
+
+    time.sleep(30)
+    return a * b
+
+
+def tool_runner(tok, timeout=5.0, tools=None):
+    from functools import partial
+
+    from strategy.demos.toy_tools import TOOLS
+    from strategy.tools import ToolAgent
+    from strategy.trainers.algorithms.episodes import EpisodeRunner
+
+    return EpisodeRunner(partial(ToolAgent, tools or TOOLS, tok, timeout), "tools='t:T'", tok, 4,
+                         40, 200, 10.0, solo())
+
+
+def test_a_tool_call_is_run_and_its_result_is_the_templates_tool_turn():
+    from strategy.demos.toy_tools import make_tokenizer, tool_call
+    from strategy.tools import tool_schemas
+
+    tok = make_tokenizer()
+    from strategy.demos.toy_tools import TOOLS
+
+    prompt = tok.apply_chat_template([{"role": "user", "content": "123*456="}], tokenize=False,
+                                     add_generation_prompt=True, tools=tool_schemas(TOOLS))
+    assert prompt == "<system>multiply(a, b)<user>123*456=<assistant>"
+    policy = Scripted(tok, [tool_call(123, 456) + "<eos>", "56088<eos>"])
+    [e] = tool_runner(tok).run([prompt], [ids(tok, prompt)], [{"output": "56088"}], "output",
+                               policy)
+    # exactly what SFT on the conversation renders after the prompt (toy_tools.with_tool)
+    whole = tok.apply_chat_template([{"role": "system", "content": "multiply(a, b)"},
+                                     {"role": "user", "content": "123*456="},
+                                     {"role": "assistant", "content": tool_call(123, 456)},
+                                     {"role": "tool", "content": "56088"},
+                                     {"role": "assistant", "content": "56088"}], tokenize=False)
+    assert tok.decode(e.context) == whole and e.done
+    feedback = ids(tok, "<tool>56088<assistant>")
+    call = ids(tok, tool_call(123, 456) + "<eos>")
+    assert e.model == [True] * len(call) + [False] * len(feedback) + [True] * 6
+    assert e.logs == {"tool_calls": 1.0, "tool_errors": 0.0} and e.rewards == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("action,result", [
+    ('<tool_call>{"name": "divide", "arguments": {"a": 1, "b": 2}}</tool_call>',
+     "error: no tool named 'divide'; the tools are multiply"),
+    ('<tool_call>{"name": "multiply", "arguments": {"a": 1</tool_call>',
+     "error: the tool call is not JSON (Expecting ',' delimiter)"),
+    ('<tool_call>{"name": "multiply", "arguments": {"a": "x", "b": 2}}</tool_call>',
+     "error: ValueError: invalid literal for int() with base 10: 'x'"),
+    ('<tool_call>{"name": "multiply", "arguments": {"a": 1}}</tool_call>',
+     "error: TypeError: multiply() missing 1 required positional argument: 'b'"),
+])
+def test_a_bad_tool_call_is_answered_with_its_error(action, result):
+    from strategy.demos.toy_tools import make_tokenizer
+
+    tok = make_tokenizer()
+    prompt = "<user>1*2=<assistant>"
+    [e] = tool_runner(tok).run([prompt], [ids(tok, prompt)], [{"output": "2"}], "output",
+                               Scripted(tok, [action + "<eos>", "2<eos>"]))
+    assert e.text.endswith(f"<tool>{result}<assistant>2")
+    assert e.logs == {"tool_calls": 1.0, "tool_errors": 1.0} and e.done
+
+
+def test_a_tool_that_does_not_return_is_an_error_the_model_sees():
+    from strategy.demos.toy_tools import make_tokenizer, tool_call
+
+    tok = make_tokenizer()
+    slow_multiply.__name__ = "multiply"
+    [e] = tool_runner(tok, timeout=0.5, tools=[slow_multiply]).run(
+        ["<user>1*2=<assistant>"], [ids(tok, "<user>1*2=<assistant>")], [{"output": "2"}],
+        "output", Scripted(tok, [tool_call(1, 2) + "<eos>", "2<eos>"]))
+    assert "<tool>error: multiply did not return within 0.5 s<assistant>" in e.text
+
+
+def test_the_tool_turn_starts_with_the_templates_separator_after_end_of_turn():
+    from strategy.demos.toy_tools import make_tokenizer
+    from strategy.errors import ConfigError
+    from strategy.tools import tool_turn
+
+    tok = make_tokenizer()
+    tok.add_special_tokens({"eos_token": "<|im_end|>"})
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+                         "<|im_start|>assistant\n{% endif %}")  # Qwen's shape
+    assert tool_turn(tok, [("multiply", "6")]) == ("\n<|im_start|>tool\n6<|im_end|>\n"
+                                                   "<|im_start|>assistant\n")
+    tok.chat_template = "{% for m in messages %}{% if m.role != 'tool' %}{{ m.content }}" \
+                        "{% endif %}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    with pytest.raises(ConfigError, match="its chat template drops tool turns"):
+        tool_turn(tok, [("multiply", "6")])  # no tool role: the result would vanish
+    tok.chat_template = "{{ messages | length }}"
+    with pytest.raises(ConfigError, match="does not render a tool turn as a continuation"):
+        tool_turn(tok, [("multiply", "6")])
+
+
+def no_docstring(a: int) -> int:
+    return a
+
+
+NOT_TOOLS = [1, 2]
+UNDOCUMENTED = [no_docstring]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("just_a_name", "tools='just_a_name' is invalid: write it as module:name"),
+    ("no_such_module:T", "tools='no_such_module:T' is invalid: cannot import 'no_such_module'"),
+    ("tests.test_agents:NOT_TOOLS", "tools='tests.test_agents:NOT_TOOLS' is invalid: "
+     "tests.test_agents.NOT_TOOLS is not a function or a list of functions"),
+    ("tests.test_agents:UNDOCUMENTED", "tools='tests.test_agents:UNDOCUMENTED' is invalid: "
+     "no_docstring has no JSON schema"),
+])
+def test_bad_tools_are_refused_in_one_line(spec, message):
+    from strategy.errors import ConfigError
+    from strategy.tools import load_tools
+
+    with pytest.raises(ConfigError) as err:
+        load_tools(spec)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
 # ------------------------------------------------------------ at 2 ranks
 
 
@@ -227,7 +354,8 @@ def _argv(root, name: str, **extra) -> list[str]:
             "eval_dataset": f"{root}/data/test.jsonl", "save_path": f"{root}/{name}/model",
             "ckpt_path": f"{root}/{name}/ckpt", "log_dir": f"{root}/{name}/logs", **extra}
     flags = {True: "--{}", False: "--no-{}"}
-    return [flags[v].format(k) if isinstance(v, bool) else f"--{k}={v}" for k, v in args.items()]
+    return [flags[v].format(k) if isinstance(v, bool) else f"--{k}={v}" for k, v in args.items()
+            if v is not None]
 
 
 def built(root: str, name: str, trainer_cls=None, **extra):
@@ -242,6 +370,10 @@ def built(root: str, name: str, trainer_cls=None, **extra):
     model = run.model()
     config = run.config(cls.config_classes[0])
     more = {"critic": build_critic(run, config)} if cls is PPOTrainer else {}
+    if not config.agent_func_path:  # --tools: the reward scores the answer
+        from strategy.trainers.algorithms.rewards import build_rewards
+
+        more["reward"] = build_rewards(run, config)
     trainer = run.trainer(cls, model, grpo=config, max_len=run.data.max_len,
                           ref_model=reference_model(run, model) if config.kl_coef > 0 else None,
                           **more)
@@ -399,3 +531,77 @@ def test_an_environment_that_raises_or_hangs_stops_every_rank(ranks, toy, fault,
         assert message.startswith(f"rank 1: DataError: agent_func_path={FAULTY!r}: episode 2 "
                                   "(prompt "), message
         assert message.endswith(f"), turn 1: {tail}") and "\n" not in message
+
+
+@pytest.fixture(scope="module")
+def tools_root(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from strategy.demos.toy_tools import make
+    from strategy.trainers.run import hf_config
+
+    root = tmp_path_factory.mktemp("tools")
+    make(str(root / "data"), n_train=45, n_test=9)
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(str(root / "data/tokenizer"))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama_tools.json", tok)
+                                     ).save_pretrained(root / "init")
+    tok.save_pretrained(root / "init")
+    return root
+
+
+TOOL_FLAGS = {"agent_func_path": None, "tools": "strategy.demos.toy_tools:TOOLS",
+              "reward_fn": "strategy.demos.toy_tools:exact_reward", "apply_chat_template": True,
+              "max_len": 96, "max_new_tokens": 24, "kl_coef": 0.0}
+
+
+def tools_run(root: str) -> dict:
+    out = {}
+    run, trainer = built(root, "tools", **TOOL_FLAGS)
+    try:
+        out["prompt"] = trainer.train_dataloader.dataset[0]["prompt"]
+        out["final"] = trainer.fit()
+        out["history"] = trainer.history
+    finally:
+        run.__exit__(None, None, None)
+    return out
+
+
+@pytest.mark.slow
+def test_grpo_with_tools_renders_their_schemas_and_logs_the_calls(ranks, tools_root):
+    for out in ranks.run(tools_run, str(tools_root)):
+        assert out["prompt"].startswith("<system>multiply(a, b)<user>")
+        for row in out["history"]:
+            assert {"agent_tool_calls", "agent_tool_errors", "turns"} <= set(row)
+            assert row["turns"] >= 1.0
+        assert "exact_match" in out["final"]
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"apply_chat_template": False}, "tools='strategy.demos.toy_tools:TOOLS' is invalid: the "
+     "tools' schemas reach the model through the chat template; add --apply_chat_template"),
+    ({"agent_func_path": THREE}, "tools='strategy.demos.toy_tools:TOOLS' is invalid: an agent "
+     "file is the environment itself; drop --tools or --agent_func_path"),
+    ({"overlong_buffer_len": 4}, "overlong_buffer_len=4.0 is invalid: it shapes one "
+     "completion's length"),
+    ({"rollout_engine": "vllm", "async_rollouts": 1}, "async_rollouts=1 is invalid: an "
+     "episode's next turn waits for the environment's answer to the last"),
+    ({"tools": None, "agent_func_path": THREE, "reward_fn": "strategy.demos.toy_tools:"
+      "exact_reward"}, "reward_fn='strategy.demos.toy_tools:exact_reward' is invalid: the "
+     "environment's step returns the rewards with --agent_func_path"),
+    ({"tools": None, "agent_func_path": "nope.py", "reward_fn": None},
+     "agent_func_path='nope.py' is invalid: give an existing Python file"),
+], ids=[str(i) for i in range(6)])
+def test_bad_episode_settings_fail_before_any_process_group(tools_root, monkeypatch, change,
+                                                              message):
+    from strategy.errors import ConfigError
+    from strategy.trainers import GRPOTrainer
+    from strategy.trainers.run import Run
+    from tests.support.helpers import forbid_process_group
+
+    forbid_process_group(monkeypatch)
+    argv = [a for a in _argv(tools_root, "refused", **{**TOOL_FLAGS, **change})
+            if not a.endswith("=None")]
+    with pytest.raises(ConfigError) as info:
+        Run.from_args(argv, trainer=GRPOTrainer)
+    assert message in str(info.value) and "\n" not in str(info.value)

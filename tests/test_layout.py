@@ -24,6 +24,8 @@ LAYERS = {
     "dist": 2,
     "atomic_fs": 2,
     "config": 3,
+    "agents": 3,  # agent files' base classes
+    "tools": 4,  # tool calls through chat templates: a built-in agent
     "optim": 4,
     "checkpoint": 4,
     "sampler": 4,

@@ -448,9 +448,16 @@ class GRPOConfig:
     max_turns: int = doc("GRPO/PPO with --agent_func_path: model turns per episode at most "
                          "(each at most --max_new_tokens; prompt, turns and feedback at most "
                          "--max_len)", 8)
-    agent_timeout: float = doc("GRPO/PPO with --agent_func_path: seconds one turn's environment "
-                               "calls (reset, step) may take before every rank stops with a line "
-                               "naming the episode (0: no limit)", 300.0)
+    agent_timeout: float = doc("GRPO/PPO with --agent_func_path or --tools: seconds one turn's "
+                               "environment calls (reset, step) may take before every rank stops "
+                               "with a line naming the episode (0: no limit)", 300.0)
+    tools: str | None = doc(
+        "GRPO/PPO: tools 'module:name' (a list of functions with type hints and Args: "
+        "docstrings): their schemas go into every prompt's chat template, a tool call in the "
+        "model's turn is run and its result appended as the template's tool turn (context only), "
+        "until a turn without one, which --reward_fn scores (None: no tools)", None)
+    tool_timeout: float = doc("GRPO/PPO with --tools: seconds one tool call may take before its "
+                              "result is an error the model sees (0: no limit)", 10.0)
 
     estimators = OUTCOME_ESTIMATORS  # what this config's trainer can estimate without a critic
 
@@ -470,18 +477,28 @@ class GRPOConfig:
     def _check_agent(self) -> None:
         """Multi-turn episodes' settings, and what they cannot run with."""
         check_positive(self, "max_turns")
-        if self.agent_timeout < 0:
-            fail("agent_timeout", self.agent_timeout, "use seconds > 0, or 0 for no limit")
-        if self.agent_func_path is None:
+        for name in ("agent_timeout", "tool_timeout"):
+            if getattr(self, name) < 0:
+                fail(name, getattr(self, name), "use seconds > 0, or 0 for no limit")
+        if self.agent_func_path is not None and self.tools is not None:
+            fail("tools", self.tools, "an agent file is the environment itself; drop --tools or "
+                 "--agent_func_path")
+        if self.agent_func_path is not None:
+            for name in ("reward_fn", "reward_pretrain"):
+                if getattr(self, name) is not None:
+                    fail(name, getattr(self, name), "the environment's step returns the rewards "
+                         "with --agent_func_path; drop one of them")
+        if not self.episodic:
             return
-        for name in ("reward_fn", "reward_pretrain"):
-            if getattr(self, name) is not None:
-                fail(name, getattr(self, name), "the environment's step returns the rewards "
-                     "with --agent_func_path; drop one of them")
         for name in ("overlong_buffer_len", "stop_properly_penalty_coef"):
             if getattr(self, name) is not None:
                 fail(name, getattr(self, name), "it shapes one completion's length; an episode's "
-                     "environment rewards its turns: drop it with --agent_func_path")
+                     "environment rewards its turns: drop it with --agent_func_path or --tools")
+
+    @property
+    def episodic(self) -> bool:
+        """Whether rollouts are multi-turn episodes (an agent file or tools)."""
+        return self.agent_func_path is not None or self.tools is not None
 
     def _check_length_shaping(self) -> None:
         """The length penalties' ranges (OpenRLHF's asserts, as one-line refusals)."""

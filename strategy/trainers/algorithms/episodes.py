@@ -116,8 +116,8 @@ class EpisodeRunner:
     """Plays episodes of an agent class, batched per turn.
 
     Args:
-        agent_cls: the environment class (``strategy.agents.load_agent``).
-        path: its file, named in errors.
+        agent_cls: makes one episode's environment (``strategy.agents.load_agent``'s class).
+        source: how errors name it, e.g. ``agent_func_path='env.py'``.
         tokenizer: decodes turns, tokenizes observations and feedback.
         max_turns: model turns per episode at most.
         max_new_tokens: tokens per model turn at most.
@@ -127,9 +127,9 @@ class EpisodeRunner:
             on every rank; ``all_reduce``, ``all_gather_object``).
     """
 
-    def __init__(self, agent_cls: type, path: str, tokenizer: Any, max_turns: int,
+    def __init__(self, agent_cls: Callable[[], Any], source: str, tokenizer: Any, max_turns: int,
                  max_new_tokens: int, max_len: int, timeout: float, strategy: Any) -> None:
-        self.agent_cls, self.path, self.tokenizer = agent_cls, path, tokenizer
+        self.agent_cls, self.source, self.tokenizer = agent_cls, source, tokenizer
         self.max_turns, self.max_new_tokens, self.max_len = max_turns, max_new_tokens, max_len
         self.timeout, self.strategy = timeout, strategy
 
@@ -249,7 +249,7 @@ class EpisodeRunner:
 
     def _where(self, k: int, turn: int | None, e: Episode) -> str:
         at = "reset" if turn is None else f"turn {turn}"
-        return (f"agent_func_path={self.path!r}: episode {k} (prompt {e.text[:40]!r}), {at}")
+        return f"{self.source}: episode {k} (prompt {e.text[:40]!r}), {at}"
 
     def _calls(self, name: str, calls: list[tuple[int, Callable]], episodes: list[Episode],
                turn: int | None) -> None:

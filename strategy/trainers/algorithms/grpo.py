@@ -46,6 +46,7 @@ spans ``ppo_epochs`` of them.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Iterator
 
@@ -57,6 +58,7 @@ from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.rollout.config import RolloutConfig
 from strategy.rollout.vllm_engine import Done, check_vllm_settings
+from strategy.tools import ToolAgent, load_tools, tool_schemas, tool_turn
 from strategy.trainers.algorithms.completions import (
     completion_batch,
     generate_completions,
@@ -121,9 +123,10 @@ def check_rollout(rollout: RolloutConfig, grpo: GRPOConfig) -> None:
     if rollout.async_rollouts and grpo.dynamic_filtering:
         fail("async_rollouts", rollout.async_rollouts, "dynamic sampling decides the next "
              "round from this one's rewards; drop one of them")
-    if rollout.async_rollouts and grpo.agent_func_path:
+    if rollout.async_rollouts and grpo.episodic:
         fail("async_rollouts", rollout.async_rollouts, "an episode's next turn waits for the "
-             "environment's answer to the last; drop one of --async_rollouts, --agent_func_path")
+             "environment's answer to the last; drop --async_rollouts (or the environment: "
+             "--agent_func_path, --tools)")
     if rollout.is_correction is not None and grpo.policy_loss_type != "ppo":
         fail("is_correction", rollout.is_correction, "it weighs each token's loss, as "
              "OpenRLHF's; use it with --policy_loss_type ppo or drop it")
@@ -196,6 +199,11 @@ class GRPOTrainer(Trainer):
                 load_reward_fn(spec)  # importable and callable, or one line now
         if grpo.agent_func_path:
             load_agent(grpo.agent_func_path)  # an environment class, or one line now
+        if grpo.tools:
+            load_tools(grpo.tools)  # functions with schemas, or one line now
+            if not configs[DataConfig].apply_chat_template:
+                fail("tools", grpo.tools, "the tools' schemas reach the model through the chat "
+                     "template; add --apply_chat_template")
         if grpo.kl_coef > 0 and (model.ref_pretrain or model.pretrain) is None:
             fail("kl_coef", grpo.kl_coef, "the reference is the --pretrain model (or "
                  "--ref_pretrain); pass one or set --kl_coef 0")
@@ -222,7 +230,7 @@ class GRPOTrainer(Trainer):
         self._old_logps: dict[int, torch.Tensor] = {}  # micro-batch -> first update's log-probs
         self.rollout_config = rollout or RolloutConfig()
         longest = longest_prompt(train_dataloader, eval_dataloader) + grpo.max_new_tokens
-        if grpo.agent_func_path:  # an episode's context grows turn by turn
+        if grpo.episodic:  # an episode's context grows turn by turn
             longest = max_len or longest + (grpo.max_turns - 1) * grpo.max_new_tokens
         self.rollouts = strategy.rollout_engine(self.model, grpo.rollout_gather,
                                                 self.rollout_config, longest)
@@ -231,9 +239,20 @@ class GRPOTrainer(Trainer):
         self._synced_at: int | None = None  # the global step the rollout engine's weights are of
         self._rounds_drawn = 0  # rounds of prompts drawn so far (the prompt cursor)
         self._ahead: tuple | None = None  # --async_rollouts: (prompts, generation, version)
-        self.episodes = None if not grpo.agent_func_path else EpisodeRunner(
-            load_agent(grpo.agent_func_path), grpo.agent_func_path, tokenizer, grpo.max_turns,
-            grpo.max_new_tokens, longest, grpo.agent_timeout, strategy)
+        self.episodes = None if not grpo.episodic else EpisodeRunner(
+            *self._environment(), tokenizer, grpo.max_turns, grpo.max_new_tokens, longest,
+            grpo.agent_timeout, strategy)
+
+    def _environment(self) -> tuple[Callable[[], Any], str]:
+        """The episodes' environment (an agent file's class, or ``ToolAgent`` for ``--tools``),
+        and how errors name it."""
+        g = self.grpo
+        if g.agent_func_path:
+            return load_agent(g.agent_func_path), f"agent_func_path={g.agent_func_path!r}"
+        tools = load_tools(g.tools)
+        tool_turn(self.tokenizer, [("check", "42")])  # a template without a tool role: one line
+        return (functools.partial(ToolAgent, tools, self.tokenizer, g.tool_timeout),
+                f"tools={g.tools!r}")
 
     # ------------------------------------------------------------ plan and resume
     @classmethod
@@ -250,7 +269,9 @@ class GRPOTrainer(Trainer):
         Returns:
             The training and held-out prompt loaders.
         """
-        return cls.data.loaders(strategy, tokenizer, data, grpo.group_size, grpo.max_new_tokens)
+        tools = tool_schemas(load_tools(grpo.tools), grpo.tools) if grpo.tools else None
+        return cls.data.loaders(strategy, tokenizer, data, grpo.group_size, grpo.max_new_tokens,
+                                tools=tools)
 
     @classmethod
     def plan(cls, strategy, num_samples: int, cfg, grpo: GRPOConfig | None = None,
@@ -422,9 +443,9 @@ class GRPOTrainer(Trainer):
         return self._scored(batch, ids, mask, out, getattr(self.rollouts, "logprobs", None))
 
     def play(self, batch: dict, sample: bool, group: int) -> Sampled:
-        """``--agent_func_path``: ``group`` episodes of each prompt, played to their end with
-        the environment (``episodes``; every rank calls this alike). Scores are the episodes'
-        rewards.
+        """``--agent_func_path`` or ``--tools``: ``group`` episodes of each prompt, played to
+        their end with the environment (``episodes``; every rank calls this alike). Scores are
+        the episodes' rewards (with ``--tools``: the reward of the last turn, the answer).
 
         Args:
             batch: this rank's prompts.
@@ -448,6 +469,11 @@ class GRPOTrainer(Trainer):
             return self._completions(out.cpu()), getattr(self.rollouts, "logprobs", None)
 
         episodes = self.episodes.run(prompts, prompt_ids, rows, self.answer_key, turn)
+        if self.grpo.tools:  # the reward scores the answer: the last turn, without a call
+            answers = [e.last_turn() for e in episodes]
+            scores = self._score(prompts, answers, self._texts(answers), rows)
+            for e, score in zip(episodes, scores.tolist()):
+                e.rewards[-1] += score
         engine = [e.engine_logps for e in episodes] if self.rollout_config.vllm else []
         return Sampled(prompt_ids, [e.tokens for e in episodes], [e.reward for e in episodes],
                        prompts, rows, {}, engine, episodes)

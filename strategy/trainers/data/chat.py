@@ -15,7 +15,7 @@ from typing import Any
 from strategy.errors import DataError
 from strategy.trainers.losses import IGNORE
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")  # only assistant turns are scored
 
 
 def check_messages(messages: Any, where: str) -> list[dict]:

@@ -187,20 +187,21 @@ def text_field(row: dict, key: str, where: str) -> str:
 class Tokenize:
     """Turns (prompt, response) text into ids with labels on the response only."""
 
-    def __init__(self, tokenizer: Any, cfg: DataConfig) -> None:
-        self.tok, self.cfg = tokenizer, cfg
+    def __init__(self, tokenizer: Any, cfg: DataConfig, tools: list[dict] | None = None) -> None:
+        self.tok, self.cfg, self.tools = tokenizer, cfg, tools
         if tokenizer.eos_token_id is None:
             raise DataError("tokenizer has no eos_token; set one so responses can end")
 
     def prompt(self, text: str) -> str:
         """The prompt as the model sees it: in ``--input_template`` (OpenRLHF's ``{}`` form; a
-        written ``\\n`` is a newline) or the chat template's user turn, or as it is."""
+        written ``\\n`` is a newline) or the chat template's user turn (with the ``tools``'
+        schemas when given), or as it is."""
         if self.cfg.input_template:
             return self.cfg.input_template.replace("\\n", "\n").format(text)
         if not self.cfg.apply_chat_template:
             return text
         return self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                            add_generation_prompt=True)
+                                            add_generation_prompt=True, tools=self.tools)
 
     def pair(self, prompt: str, response: str) -> tuple[list[int], list[int], int]:
         """(input_ids, labels, number of tokens cut) for one prompt/response."""
@@ -328,10 +329,12 @@ def load_pairs(path: str, tokenizer: Any, cfg: DataConfig, max_samples: int = -1
 
 
 def load_prompts(path: str, tokenizer: Any, cfg: DataConfig, max_prompt_len: int,
-                 max_samples: int = -1, **source: Any) -> list[dict]:
+                 max_samples: int = -1, tools: list[dict] | None = None,
+                 **source: Any) -> list[dict]:
     """Prompts for online RL ``{"prompt_ids", "prompt", "row"}`` (the row goes to the reward);
-    a prompt over ``max_prompt_len`` tokens keeps its end under ``truncate``."""
-    stats, tok = Stats(path), Tokenize(tokenizer, cfg)
+    a prompt over ``max_prompt_len`` tokens keeps its end under ``truncate``; ``tools``' schemas
+    go into the chat template."""
+    stats, tok = Stats(path), Tokenize(tokenizer, cfg, tools)
     kept: list[dict] = []
 
     def make(row: dict, where: str) -> list[tuple[list[int], list[int], int]]:

@@ -178,7 +178,7 @@ class PromptSpec:
     size), left-padded; held-out prompts in order."""
 
     def loaders(self, strategy: Any, tokenizer: Any, cfg: Any, group_size: int,
-                max_new_tokens: int) -> tuple[Any, Any]:
+                max_new_tokens: int, tools: list[dict] | None = None) -> tuple[Any, Any]:
         """(train, held-out) prompt loaders.
 
         Args:
@@ -187,6 +187,7 @@ class PromptSpec:
             cfg: the ``DataConfig``.
             group_size: completions sampled per prompt.
             max_new_tokens: the longest completion (a prompt gets ``max_len`` less this).
+            tools: tool schemas for the chat template (``--tools``), or None.
 
         Returns:
             The training loader and the held-out loader (None without ``--eval_dataset``).
@@ -198,7 +199,7 @@ class PromptSpec:
         longest = cfg.max_len - max_new_tokens
         collate_fn = collate.collate_prompts(tokenizer.pad_token_id)
         train = files.load_prompts(cfg.dataset, tokenizer, cfg, longest, cfg.max_samples,
-                                   **train_source(cfg))
+                                   tools=tools, **train_source(cfg))
         needed = per_rank * strategy.data_parallel_size
         if len(train) < needed:
             raise ConfigError(f"train_batch_size={strategy.config.train_batch_size} is invalid: "
@@ -208,7 +209,7 @@ class PromptSpec:
                                                  collate_fn=collate_fn)
         if not cfg.eval_dataset:
             return train_loader, None
-        held = files.load_prompts(cfg.eval_dataset, tokenizer, cfg, longest,
+        held = files.load_prompts(cfg.eval_dataset, tokenizer, cfg, longest, tools=tools,
                                   split=cfg.eval_split)
         return train_loader, strategy.setup_eval_dataloader(
             held, strategy.config.micro_eval_batch_size, collate_fn=collate_fn)
