@@ -71,28 +71,28 @@ def _run(root, name: str, **extra) -> dict:
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["zero2", "zero3_icepop", "lora_tis", "zero3_agent"])
+@pytest.mark.parametrize("case", ["zero2", "zero3_icepop_agent", "lora_tis"])
 def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
     """After each of 4 updates the vLLM engine, synced from the training engine (ZeRO-2 with
     tied word embeddings, ZeRO-3 partitioned, LoRA merged on the fly), gives the held-out
     prompts' greedy completions the policy's own module gives; the policy moved meanwhile (so
     each sync is checked, not only the first); each rollout logs its sync time and the engine's
     log-probs beside the trainer's (a few 1e-6 apart in fp32); the correction's weights are ~1
-    where the two agree. With an environment (three-turn episodes, ZeRO-3) whole greedy
-    episodes, turns and feedback, are equal on both engines too."""
+    where the two agree. With an environment (three-turn episodes, the ZeRO-3 case, which then
+    trains on them) whole greedy episodes, turns and feedback, are equal on both engines too."""
     extra = {"zero2": {"pretrain": f"{toy}/init_tied"},
-             "zero3_icepop": {"zero_stage": 3, "is_correction": "icepop"},
+             "zero3_icepop_agent": {"zero_stage": 3, "is_correction": "icepop", "max_len": 48,
+                                    "reward_fn": None,  # the environment's rewards
+                                    "agent_func_path": "tests/data/agents/three_turns.py"},
              "lora_tis": {"lora_rank": 8, "lora_alpha": 16, "target_modules": "all-linear",
-                          "learning_rate": 2e-2, "is_correction": "tis"},
-             "zero3_agent": {"zero_stage": 3, "reward_fn": None, "max_len": 48,
-                             "agent_func_path": "tests/data/agents/three_turns.py"}}[case]
+                          "learning_rate": 2e-2, "is_correction": "tis"}}[case]
     out = _run(toy, case, **extra)
     assert out["engine"] == "VllmRollout"
     checks = out["checks"]
     assert [c["step"] for c in checks] == [0, 1, 2, 3]
     for check in checks:
         assert check["vllm"] == check["hf"], check["step"]
-        if case == "zero3_agent":  # episodes batched per turn: every turn equal on both
+        if "agent" in case:  # episodes batched per turn: every turn equal on both
             assert check["episodes_vllm"] == check["episodes_hf"], check["step"]
             assert any(not m for _, model in check["episodes_hf"] for m in model)  # feedback
     assert checks[-1]["hf"] != checks[0]["hf"]  # the policy (and so each sync) changed

@@ -445,7 +445,8 @@ class GRPOConfig:
         "agent interface, strategy.agents) answers each model turn with feedback, a reward and "
         "done; the feedback is context only (no loss). Its rewards replace --reward_fn "
         "(OpenRLHF's --train.agent_func_path; None: one completion per prompt)", None)
-    max_turns: int = doc("GRPO/PPO with --agent_func_path: model turns per episode at most "
+    max_turns: int = doc("GRPO/PPO with --agent_func_path or --tools: model turns per episode "
+                         "at most "
                          "(each at most --max_new_tokens; prompt, turns and feedback at most "
                          "--max_len)", 8)
     agent_timeout: float = doc("GRPO/PPO with --agent_func_path or --tools: seconds one turn's "
