@@ -133,6 +133,43 @@ def test_live_episodes_share_each_generate_call(tok):
     assert [e.logs for e in episodes] == [{"rounds": float(r)} for r in rounds]
 
 
+def test_episodes_equal_openrlhfs_multi_turn_executor(tok):
+    """The same agent file, prompts and policy through OpenRLHF's ``MultiTurnAgentExecutor``
+    (transcribed): the same tokens, the model's turns where its ``action_ranges`` say, the same
+    rewards. (OpenRLHF has no per-turn cap or feedback cut; the budgets here reach neither.)"""
+    from strategy.agents import load_agent
+    from strategy.trainers.algorithms.episodes import python_rng
+    from tests.support.peer_rl import multi_turn_execute
+
+    prompts = ["<user>ab=<assistant>", "<user>abc=<assistant>", "<user>abcd=<assistant>",
+               "<user>b=<assistant>"]
+    turns = ["ba<eos>", "cb<eos>", "a<eos>"]
+    torch.manual_seed(1)
+    ours = runner(tok, path=OPENRLHF_STYLE, max_new=64, max_len=200).run(
+        prompts, [ids(tok, p) for p in prompts], [{"output": "ba"}] * 4, "output",
+        Scripted(tok, turns))
+    torch.manual_seed(1)
+    seed = int(torch.randint(0, 2**62, (1,)))  # what the runner seeds Python's random with
+    opening = tok.convert_tokens_to_ids("<assistant>")
+
+    def generate(tokens, max_tokens):  # an episode's n-th turn, as Scripted gives it
+        n = tokens.count(opening) - 1  # the prompt's opening, then one per feedback
+        action = ids(tok, turns[min(n, len(turns) - 1)])[:max_tokens]
+        return action, tok.decode(action, skip_special_tokens=True)
+
+    with python_rng(seed):  # the agents draw their step counts in the same order
+        theirs = [multi_turn_execute(load_agent(OPENRLHF_STYLE), p, "ba", generate, 200, tok)
+                  for p in prompts]
+    for e, peer in zip(ours, theirs):
+        assert e.prompt_ids + e.tokens == peer["observation_tokens"]
+        mask = [False] * len(peer["observation_tokens"])
+        for start, end in peer["action_ranges"]:
+            mask[start:end] = [True] * (end - start)
+        assert [False] * len(e.prompt_ids) + e.model == mask
+        assert e.reward == peer["reward"]
+    assert len({len(e.turn_ends) for e in ours}) > 1  # episodes of different lengths
+
+
 def test_per_token_estimators_skip_feedback_positions():
     """GAE and discounted returns over an episode equal those of its model tokens alone: the
     feedback between turns is the environment's transition, not steps to discount over."""

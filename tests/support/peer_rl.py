@@ -6,7 +6,9 @@ Source: https://github.com/OpenRLHF/OpenRLHF at ``3c3be623`` ("Cleanup/simplicit
 ``get_advantages_and_returns``; ``get_cumulative_returns``), ``openrlhf/models/utils.py``
 (``compute_approx_kl``, ``compute_reward``) and ``openrlhf/models/loss.py`` (``PolicyLoss``'s
 surrogate and dual clip, before aggregation; ``ValueLoss`` with ``aggregate_loss``). Only
-``self``/``args`` plumbing is dropped; the arithmetic order is the peer's.
+``self``/``args`` plumbing is dropped; the arithmetic order is the peer's. ``multi_turn_execute``
+is ``openrlhf/utils/agent.py``'s ``MultiTurnAgentExecutor.execute`` (text prompts) at the same
+commit, the vLLM engine a callable.
 """
 
 from __future__ import annotations
@@ -269,3 +271,43 @@ def vllm_is_corrected_loss(log_probs, old_log_probs, advantages, rollout_log_pro
                                                      max=high_threshold).detach()
         loss = vllm_is * loss
     return loss
+
+
+def multi_turn_execute(agent_instance_cls, prompt: str, label, generate, max_length: int,
+                       hf_tokenizer):
+    """``MultiTurnAgentExecutor.execute`` (``openrlhf/utils/agent.py``, text prompts, no images,
+    no initial truncation): ``generate(token_ids, max_tokens) -> (action token ids, action
+    text)`` stands for ``llm_engine.generate``; its return's token fields."""
+    import asyncio
+
+    async def execute():
+        agent_instance = agent_instance_cls()
+        reset_result = await agent_instance.reset({"observation": prompt, "label": label})
+        observation_text = reset_result["observation"]
+        current_obs_tokens = hf_tokenizer(text=observation_text, add_special_tokens=False,
+                                          return_tensors="pt")["input_ids"][0].tolist()
+        action_ranges, total_reward = [], 0
+        while True:
+            max_tokens = max_length - len(current_obs_tokens)
+            if max_tokens <= 0:
+                break
+            action_tokens, action_text = generate(current_obs_tokens, max_tokens)
+            action_start = len(current_obs_tokens)
+            action_ranges.append((action_start, action_start + len(action_tokens)))
+            states = {"observation_text": observation_text, "action_text": action_text,
+                      "label": label, "sampling_params": None}
+            step_result = await agent_instance.step(states)
+            total_reward += step_result["rewards"].item()
+            environment_feedback_text = step_result["environment_feedback"]
+            done = step_result["done"]
+            feedback_tokens = hf_tokenizer(text=environment_feedback_text,
+                                           add_special_tokens=False,
+                                           return_tensors="pt")["input_ids"][0].tolist()
+            observation_text = observation_text + action_text + environment_feedback_text
+            current_obs_tokens = current_obs_tokens + action_tokens + feedback_tokens
+            if done:
+                break
+        return {"reward": total_reward, "observation_tokens": current_obs_tokens,
+                "action_ranges": action_ranges}
+
+    return asyncio.run(execute())
