@@ -4,7 +4,8 @@
     flock /tmp/heavy.lock python benchmarks/bench_export.py offline [--hidden 2048 --layers 3]
 
 ``live``: ``save_model`` from a ZeRO-3 engine at 2 ranks against what the anchors do
-(``engine._consolidated_16bit_state_dict()`` then rank 0 ``save_pretrained``), a ~1.07 GB bf16
+(``engine._consolidated_16bit_state_dict()`` then rank 0 ``save_pretrained``, its files then
+fsynced as ``save_model`` fsyncs its shards: the same work), a ~1.07 GB bf16
 LLaMA (largest tensor: the 131 MB embedding). Each path is timed on rank 0 between barriers while a
 thread samples rank 0's RSS every ~1 ms; "growth" is the peak minus the RSS just before the save.
 ``--rounds`` rounds in one process, the order alternating (streamed first, then whole first, ...);
@@ -126,6 +127,12 @@ def whole_state_dict_save(engine, out: Path, shard: str) -> None:
     state = engine._consolidated_16bit_state_dict()  # every rank gathers; rank 0 keeps a full copy
     if torch.distributed.get_rank() == 0:
         engine.module.save_pretrained(str(out), state_dict=state, max_shard_size=shard)
+        for path in out.iterdir():  # the same durability as save_model's: each file on disk
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+        fd = os.open(out, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
     del state
 
 
