@@ -51,14 +51,14 @@ import time
 from typing import Any, Callable, Iterator
 
 import torch
-from transformers import GenerationConfig
 
 from strategy.agents import load_agent
 from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.rollout.config import RolloutConfig
-from strategy.rollout.vllm_engine import Done, check_vllm_settings
+from strategy.rollout.vllm_engine import check_vllm_settings
 from strategy.tools import ToolAgent, load_tools, tool_schemas, tool_turn
+from strategy.trainers.algorithms.ahead import EngineRollouts
 from strategy.trainers.algorithms.completions import (
     completion_batch,
     generate_completions,
@@ -132,12 +132,14 @@ def check_rollout(rollout: RolloutConfig, grpo: GRPOConfig) -> None:
              "OpenRLHF's; use it with --policy_loss_type ppo or drop it")
 
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(EngineRollouts, Trainer):
     """The policy trains; ``ref_model`` (needed when ``kl_coef`` > 0) becomes an eval engine;
     ``reward(prompts, completions, rows) -> floats`` scores completions (``rewards``).
 
     Built on the public ``Trainer`` hooks: ``train_steps`` runs a rollout and yields it as
     ``ppo_epochs`` optimizer steps; ``resume_position`` places the prompt sampler by rollouts.
+    What only a vLLM engine does (rollouts generated ahead, the engine's log-probs compared) is
+    ``EngineRollouts``'.
 
     Args:
         strategy: the ``DeepSpeedStrategy``.
@@ -322,12 +324,7 @@ class GRPOTrainer(Trainer):
         """
         state = {"prompt_rounds": self._rounds_drawn}
         if self.rollout_config.async_rollouts:
-            ahead = None
-            if self._ahead is not None:
-                batch, generation, version = self._ahead
-                ahead = (batch, generation.wait(), version)
-                self._ahead = (batch, Done(ahead[1]), version)
-            state["ahead"] = self.strategy.all_gather_object(ahead)  # rank 0 saves it
+            state["ahead"] = self.ahead_state()
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:
@@ -338,12 +335,7 @@ class GRPOTrainer(Trainer):
         """
         self._rounds_drawn = int(state.get("prompt_rounds",
                                            self.global_step // self.grpo.ppo_epochs))
-        ahead = state.get("ahead") or []  # by rank
-        mine = ahead[self.strategy.rank] if len(ahead) == self.strategy.world_size else None
-        self._ahead = None if mine is None else (mine[0], Done(mine[1]), mine[2])
-        if len(ahead) != self.strategy.world_size and any(a is not None for a in ahead):
-            # saved at another world size: its prompts are drawn anew
-            self._rounds_drawn -= 1
+        self.load_ahead(state.get("ahead") or [])
 
     @property
     def _rounds_per_epoch(self) -> int:
@@ -600,27 +592,10 @@ class GRPOTrainer(Trainer):
         lengths = [sum(e.model) for e in episodes] or [len(c) for c in completions]
         metrics = self._rollout_metrics(rewards[real], lengths[real], truncated[real], shaped)
         if sampled.engine_logps:
-            metrics.update(self._engine_diff(batches))
+            metrics.update(self.engine_diff(batches))
         if episodes:
             metrics.update(self.episodes.metrics(episodes[real]))
         return batches, metrics
-
-    def _engine_diff(self, batches: list[dict]) -> dict:
-        """The rollout engine's log-probs against the trainer's on the trained tokens (the
-        trainer's pass of the rollout becomes the first update's "old" log-probs): mean and, over
-        every rank, max of the absolute difference."""
-        total, count, largest = 0.0, 0, 0.0
-        with torch.no_grad():
-            for b in batches:
-                if "old_logp" not in b:
-                    b["old_logp"] = token_logps(self.model, self.to_device(b),
-                                                self.grpo.temperature)[0].cpu()
-                mask = self.trained_mask(b, scored_mask(b))
-                diff = (b["old_logp"] - b["engine_logp"]).abs()[mask]
-                total, count = total + diff.sum().item(), count + diff.numel()
-                largest = max(largest, diff.max().item() if diff.numel() else 0.0)
-        return {"engine_logprob_diff": (total, count),
-                "engine_logprob_diff_max": (self.strategy.all_reduce(largest, op="max"), 1)}
 
     def _rollout_metrics(self, rewards: torch.Tensor, lengths: list[int],
                          truncated: torch.Tensor, shaped: dict) -> dict:
@@ -750,45 +725,6 @@ class GRPOTrainer(Trainer):
         elif self.share_prompts:  # each distinct prompt forwarded once
             batch.update(shared_prompts(prompts, completions, pad))
         return batch
-
-    # ------------------------------------------------------------ asynchronous rollouts
-    def rollout_ahead(self) -> tuple[list[dict], dict]:
-        """``--async_rollouts 1``: this step's rollout was generated while the step before it
-        trained, from the weights before that update (the first one: now); it is scored here,
-        then the next rollout's generation starts on a thread of its own before this one trains.
-        ``staleness`` logs how many updates behind the policy its samples are.
-
-        Returns:
-            ``(micro-batches, metrics)``, as ``rollout``'s.
-        """
-        start = time.perf_counter()
-        if self._ahead is None:  # the first rollout (or a resume without one in flight)
-            self._ahead = self._launch(self.next_prompts())
-        batch, generation, version = self._ahead
-        out, engine = generation.wait()
-        self._ahead = None
-        ids, mask = self._grouped(batch)
-        sampled = self._scored(batch, ids, mask, out[:, ids.shape[1]:], engine)
-        self._components = sampled.components
-        batches, metrics = self.experience(sampled)
-        rollout = self.global_step // self.grpo.ppo_epochs
-        if rollout + 1 < self.step_plan.total_steps // self.grpo.ppo_epochs:
-            self._ahead = self._launch(self.next_prompts())
-        return batches, {**metrics, **self._sync_metric(),
-                         "staleness": (float(rollout - version), 1),
-                         "generation_s": (time.perf_counter() - start, 1)}
-
-    def _launch(self, batch: dict) -> tuple[dict, Any, int]:
-        """Start generating ``batch``'s rollout from the current weights: the engine synced, the
-        seeds drawn now from the generator of the step it will train at."""
-        self._sync_rollouts()
-        ids, mask = self._grouped(batch)
-        rollout = self.global_step // self.grpo.ppo_epochs  # updates so far: the version
-        step = (self._rounds_drawn - 1) * self.grpo.ppo_epochs  # where ``batch`` will train
-        with sampling_rng(self.strategy.config.seed, step, self.strategy.rank):
-            ahead = self.rollouts.start_generate(ids, mask, GenerationConfig(
-                **self._settings(True)))
-        return batch, ahead, rollout
 
     # ------------------------------------------------------------ update
     def loss_counts(self, batch: dict) -> dict[str, int]:

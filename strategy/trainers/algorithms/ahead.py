@@ -1,0 +1,97 @@
+"""What GRPO (and PPO) do with a rollout engine of their own (vLLM), beside the ``hf`` loop:
+``--async_rollouts 1`` (the next rollout generated on a thread while this one trains, saved in
+flight with each checkpoint) and the engine's sampled-token log-probs compared with the trainer's
+(``engine_logprob_diff``). A mixin of ``GRPOTrainer``: it reads the trainer's prompts, settings,
+engine and experience stage."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from strategy.rollout.vllm_engine import Done
+from strategy.trainers.algorithms.completions import sampling_rng
+from strategy.trainers.losses import scored_mask, token_logps
+
+
+class EngineRollouts:
+    """``rollout_ahead`` and its checkpoint state (``ahead_state``, ``load_ahead``), and
+    ``engine_diff``."""
+
+    _ahead: tuple | None  # (prompts, generation, version): the rollout in flight
+
+    def rollout_ahead(self) -> tuple[list[dict], dict]:
+        """``--async_rollouts 1``: this step's rollout was generated while the step before it
+        trained, from the weights before that update (the first one: now); it is scored here,
+        then the next rollout's generation starts on a thread of its own before this one trains.
+        ``staleness`` logs how many updates behind the policy its samples are.
+
+        Returns:
+            ``(micro-batches, metrics)``, as ``rollout``'s.
+        """
+        start = time.perf_counter()
+        if self._ahead is None:  # the first rollout (or a resume without one in flight)
+            self._ahead = self._launch(self.next_prompts())
+        batch, generation, version = self._ahead
+        out, engine = generation.wait()
+        self._ahead = None
+        ids, mask = self._grouped(batch)
+        sampled = self._scored(batch, ids, mask, out[:, ids.shape[1]:], engine)
+        self._components = sampled.components
+        batches, metrics = self.experience(sampled)
+        rollout = self.global_step // self.grpo.ppo_epochs
+        if rollout + 1 < self.step_plan.total_steps // self.grpo.ppo_epochs:
+            self._ahead = self._launch(self.next_prompts())
+        return batches, {**metrics, **self._sync_metric(),
+                         "staleness": (float(rollout - version), 1),
+                         "generation_s": (time.perf_counter() - start, 1)}
+
+    def _launch(self, batch: dict) -> tuple[dict, Any, int]:
+        """Start generating ``batch``'s rollout from the current weights: the engine synced, the
+        seeds drawn now from the generator of the step it will train at."""
+        self._sync_rollouts()
+        ids, mask = self._grouped(batch)
+        rollout = self.global_step // self.grpo.ppo_epochs  # updates so far: the version
+        step = (self._rounds_drawn - 1) * self.grpo.ppo_epochs  # where ``batch`` will train
+        with sampling_rng(self.strategy.config.seed, step, self.strategy.rank):
+            ahead = self.rollouts.start_generate(ids, mask, GenerationConfig(
+                **self._settings(True)))
+        return batch, ahead, rollout
+
+    def engine_diff(self, batches: list[dict]) -> dict:
+        """The rollout engine's log-probs against the trainer's on the trained tokens (the
+        trainer's pass of the rollout becomes the first update's "old" log-probs): mean and, over
+        every rank, max of the absolute difference."""
+        total, count, largest = 0.0, 0, 0.0
+        with torch.no_grad():
+            for b in batches:
+                if "old_logp" not in b:
+                    b["old_logp"] = token_logps(self.model, self.to_device(b),
+                                                self.grpo.temperature)[0].cpu()
+                mask = self.trained_mask(b, scored_mask(b))
+                diff = (b["old_logp"] - b["engine_logp"]).abs()[mask]
+                total, count = total + diff.sum().item(), count + diff.numel()
+                largest = max(largest, diff.max().item() if diff.numel() else 0.0)
+        return {"engine_logprob_diff": (total, count),
+                "engine_logprob_diff_max": (self.strategy.all_reduce(largest, op="max"), 1)}
+
+    def ahead_state(self) -> list:
+        """Every rank's rollout in flight (waited for; collective), for the checkpoint: by rank,
+        ``(prompts, (output, log-probs), version)`` or None."""
+        ahead = None
+        if self._ahead is not None:
+            batch, generation, version = self._ahead
+            ahead = (batch, generation.wait(), version)
+            self._ahead = (batch, Done(ahead[1]), version)
+        return self.strategy.all_gather_object(ahead)  # rank 0 saves it
+
+    def load_ahead(self, ahead: list) -> None:
+        """This rank's saved rollout in flight back (``ahead_state``'s list; saved at another
+        world size: none, its prompts drawn anew)."""
+        mine = ahead[self.strategy.rank] if len(ahead) == self.strategy.world_size else None
+        self._ahead = None if mine is None else (mine[0], Done(mine[1]), mine[2])
+        if len(ahead) != self.strategy.world_size and any(a is not None for a in ahead):
+            self._rounds_drawn -= 1
