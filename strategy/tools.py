@@ -37,7 +37,7 @@ HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 def load_tools(spec: str) -> list[Callable]:
     """The functions ``module:name`` names (a list, a tuple or one callable), each with a JSON
-    schema; one line naming the spec and the fix otherwise."""
+    schema (``tool_schemas``); one line naming the spec and the fix otherwise."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         fail("tools", spec, "write it as module:name, naming a list of functions")
@@ -150,14 +150,15 @@ class ToolAgent(AgentInstanceBase):
 
     Args:
         tools: the functions (``load_tools``).
+        schemas: their schemas (``tool_schemas``: made once, not per episode).
         tokenizer: parses turns and renders tool turns with its chat template.
         timeout: seconds one call may take.
     """
 
-    def __init__(self, tools: list[Callable], tokenizer: Any, timeout: float) -> None:
+    def __init__(self, tools: list[Callable], schemas: list[dict], tokenizer: Any,
+                 timeout: float) -> None:
         self.tools = {t.__name__: t for t in tools}
-        self.tokenizer, self.timeout = tokenizer, timeout
-        self.schemas = tool_schemas(tools)
+        self.schemas, self.tokenizer, self.timeout = schemas, tokenizer, timeout
         self.calls = self.errors = 0  # the episode's, logged as agent_tool_calls / _errors
 
     def step(self, states: dict) -> dict:

@@ -259,11 +259,12 @@ def tool_runner(tok, timeout=5.0, tools=None):
     from functools import partial
 
     from strategy.demos.toy_tools import TOOLS
-    from strategy.tools import ToolAgent
+    from strategy.tools import ToolAgent, tool_schemas
     from strategy.trainers.algorithms.episodes import EpisodeRunner
 
-    return EpisodeRunner(partial(ToolAgent, tools or TOOLS, tok, timeout), "tools='t:T'", tok, 4,
-                         40, 200, 10.0, solo())
+    tools = tools or TOOLS
+    return EpisodeRunner(partial(ToolAgent, tools, tool_schemas(tools), tok, timeout),
+                         "tools='t:T'", tok, 4, 40, 200, 10.0, solo())
 
 
 def test_a_tool_call_is_run_and_its_result_is_the_templates_tool_turn():

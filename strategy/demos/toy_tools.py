@@ -152,7 +152,8 @@ def evaluate(model_dir: str, data: str, tools: bool = True, max_turns: int = 3,
 
     solo = types.SimpleNamespace(checked=dist.checked, all_reduce=dist.all_reduce,
                                  all_gather_object=dist.all_gather_object)
-    runner = EpisodeRunner(partial(ToolAgent, TOOLS, tok, 10.0), "tools", tok,
+    agent = partial(ToolAgent, TOOLS, tool_schemas(TOOLS), tok, 10.0)
+    runner = EpisodeRunner(agent, "tools", tok,
                            max_turns if tools else 1, max_new_tokens, max_len, 60.0, solo)
     hits, calls = 0, 0
     for start in range(0, len(rows), 64):

@@ -38,8 +38,7 @@ class EngineRollouts:
         batch, generation, version = self._ahead
         out, engine = generation.wait()
         self._ahead = None
-        ids, mask = self._grouped(batch)
-        sampled = self._scored(batch, ids, mask, out[:, ids.shape[1]:], engine)
+        sampled = self._scored(batch, out[:, batch["prompt_ids"].shape[1]:], engine)
         self._components = sampled.components
         batches, metrics = self.experience(sampled)
         rollout = self.global_step // self.grpo.ppo_epochs

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import random
 import threading
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 from strategy.errors import DataError
+from strategy.trainers.algorithms.rewards import finite_number
 
 # rows of context -> (each row's new tokens up to its end, their engine log-probs or None)
 Generate = Callable[[list[list[int]], int], tuple[list[list[int]], list[list[float]] | None]]
@@ -243,8 +243,11 @@ class EpisodeRunner:
         if not isinstance(feedback, str):
             raise DataError(f"{where}: environment_feedback is {type(feedback).__name__}; "
                             "return text")
-        logs = {key: _number(v, key, where) for key, v in (out.get("extra_logs") or {}).items()
-                if _is_number(v)}
+        logs = {}  # the numbers among them (a flag as 0 or 1)
+        for key, value in (out.get("extra_logs") or {}).items():
+            number = float(value) if isinstance(value, bool) else finite_number(value)
+            if number is not None:
+                logs[key] = number
         return reward, feedback, bool(out["done"]), score, logs
 
     def _where(self, k: int, turn: int | None, e: Episode) -> str:
@@ -295,18 +298,13 @@ async def _awaited(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) or (isinstance(value, torch.Tensor)
-                                                and value.numel() == 1)
-
-
 def _number(value: Any, name: str, where: str) -> float:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    number = finite_number(value)
+    if number is None:
+        value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
         raise DataError(f"{where}: {name} is {value!r}; return a finite number (or a "
                         "one-element tensor)")
-    return float(value)
+    return number
 
 
 def _shape(value: Any) -> str:

@@ -96,6 +96,15 @@ Reward = Callable[[list[str], list[str], list[dict]], list[float]]
 PER_TURN = ("gae", "reinforce")  # estimators that take each episode turn's reward where it falls
 
 
+def repeated(batch: dict, group: int) -> tuple[list[list[int]], list[str], list[dict]]:
+    """A prompt batch's prompt tokens (unpadded), texts and rows, each ``group`` times in a
+    row."""
+    ids = [row[m.bool()].tolist() for row, m in zip(batch["prompt_ids"].cpu(),
+                                                     batch["prompt_mask"].cpu())]
+    return tuple([x for x in column for _ in range(group)]
+                 for column in (ids, batch["prompts"], batch["rows"]))
+
+
 def check_grpo(strategy_config: Any, train: Any, grpo: GRPOConfig, max_len: int,
                world_size: int) -> None:
     """Before any process group starts: what GRPO cannot run with, one line each."""
@@ -253,8 +262,8 @@ class GRPOTrainer(EngineRollouts, Trainer):
             return load_agent(g.agent_func_path), f"agent_func_path={g.agent_func_path!r}"
         tools = load_tools(g.tools)
         tool_turn(self.tokenizer, [("check", "42")])  # a template without a tool role: one line
-        return (functools.partial(ToolAgent, tools, self.tokenizer, g.tool_timeout),
-                f"tools={g.tools!r}")
+        return (functools.partial(ToolAgent, tools, tool_schemas(tools, g.tools), self.tokenizer,
+                                  g.tool_timeout), f"tools={g.tools!r}")
 
     # ------------------------------------------------------------ plan and resume
     @classmethod
@@ -432,7 +441,7 @@ class GRPOTrainer(EngineRollouts, Trainer):
                 return self.play(batch, sample=True, group=g)
             ids, mask = self._grouped(batch)
             out = self.generate(ids, mask, sample=True, group=g)
-        return self._scored(batch, ids, mask, out, getattr(self.rollouts, "logprobs", None))
+        return self._scored(batch, out, getattr(self.rollouts, "logprobs", None))
 
     def play(self, batch: dict, sample: bool, group: int) -> Sampled:
         """``--agent_func_path`` or ``--tools``: ``group`` episodes of each prompt, played to
@@ -448,11 +457,7 @@ class GRPOTrainer(EngineRollouts, Trainer):
             The ``Sampled`` episodes: completions are everything after the prompt, turns and
             feedback; ``episodes`` says which tokens the model made.
         """
-        prompt_ids = [row[m.bool()].tolist() for row, m in zip(batch["prompt_ids"],
-                                                               batch["prompt_mask"])
-                      for _ in range(group)]
-        prompts = [p for p in batch["prompts"] for _ in range(group)]
-        rows = [r for r in batch["rows"] for _ in range(group)]
+        prompt_ids, prompts, rows = repeated(batch, group)
 
         def turn(contexts: list[list[int]], max_new: int):
             ids, mask = left_padded(contexts, self.tokenizer.pad_token_id)
@@ -476,18 +481,16 @@ class GRPOTrainer(EngineRollouts, Trainer):
         return (batch["prompt_ids"].repeat_interleave(g, dim=0).to(device),
                 batch["prompt_mask"].repeat_interleave(g, dim=0).to(device))
 
-    def _scored(self, batch: dict, ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor,
+    def _scored(self, batch: dict, out: torch.Tensor,
                 engine: list[list[float]] | None) -> Sampled:
-        """``Sampled`` of generated completions (``out``: right of the prompts), scored; with
-        the engine's log-probs of their tokens when it gave them (vLLM)."""
-        g = self.grpo.group_size
+        """``Sampled`` of generated completions (``out``: right of the prompts, ``group_size``
+        per prompt), scored; with the engine's log-probs of their tokens when it gave them
+        (vLLM)."""
         completions = self._completions(out.cpu())
         engine_logps = [] if engine is None else [lp[:len(c)] for lp, c in zip(engine,
                                                                                 completions)]
-        prompts = [p for p in batch["prompts"] for _ in range(g)]
-        rows = [r for r in batch["rows"] for _ in range(g)]
+        prompt_ids, prompts, rows = repeated(batch, self.grpo.group_size)
         scores = self._score(prompts, completions, self._texts(completions), rows)
-        prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
         return Sampled(prompt_ids, completions, scores.tolist(), prompts, rows,
                        {k: list(v) for k, v in self._components.items()}, engine_logps)
 

@@ -58,14 +58,24 @@ def load_reward_fn(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def checked_reward(value: Any, prompt: str, spec: str) -> float:
-    """A reward as a float; anything else is a one-line error naming the prompt."""
+def finite_number(value: Any) -> float | None:
+    """``value`` as a float when it is a finite real number (a one-element tensor's too; not a
+    bool), else None."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def checked_reward(value: Any, prompt: str, spec: str) -> float:
+    """A reward as a float; anything else is a one-line error naming the prompt."""
+    number = finite_number(value)
+    if number is None:
+        value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
         raise DataError(f"reward_fn={spec!r} returned {value!r} ({type(value).__name__}) for "
                         f"prompt {prompt[:80]!r}; return a finite float")
-    return float(value)
+    return number
 
 
 def _calls(fn: Callable, batched: bool, prompts: list[str], completions: list[str],
