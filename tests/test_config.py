@@ -61,6 +61,30 @@ def test_yaml_may_set_callers_own_flags(tmp_path):
     assert ns.pretrain == "tiny" and s.zero_stage == 0
 
 
+def test_optional_flag_unset_with_none_over_the_yaml():
+    from strategy.config.cli import shipped_file
+    from strategy.trainers.config import GRPOConfig
+    from strategy.trainers.run import CONFIG_CLASSES
+
+    classes = [GRPOConfig, *CONFIG_CLASSES]
+    agent = str(Path(__file__).parent / "data/agents/three_turns.py")
+    config = ["--config", shipped_file("grpo_toy.yaml")]
+    grpo, *_ = parse_configs(classes, config)[0]
+    assert grpo.reward_fn == "strategy.demos.toy_task:exact_reward"
+    for word in ("none", "None", "null"):  # the YAML's reward unset: GRPO then has none
+        with pytest.raises(ConfigError, match="^reward_fn=None is invalid: name a reward"):
+            parse_configs(classes, config + ["--reward_fn", word])
+    with pytest.raises(ConfigError, match="the environment's step returns the rewards with "
+                       r"--agent_func_path; unset it \(--reward_fn none\)"):
+        parse_configs(classes, config + ["--agent_func_path", agent])
+    (grpo, *_), ns = parse_configs(classes, config + ["--agent_func_path", agent,
+                                                      "--reward_fn", "none"])
+    assert grpo.agent_func_path == agent and grpo.reward_fn is None and ns.reward_fn is None
+    with pytest.raises(ConfigError, match="^bad command line: argument --zero_stage: invalid "
+                       "int value: 'none'$"):  # not optional: none is no value of it
+        parse_configs(CLASSES, ["--zero_stage", "none"])
+
+
 def test_every_shipped_config_loads():
     files = sorted(glob.glob("configs/*.yaml"))
     assert files, "configs/ must hold at least one YAML"

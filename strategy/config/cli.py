@@ -2,7 +2,8 @@
 
 Flag names follow OpenRLHF (``--zero_stage --bf16 --micro_train_batch_size ...``).
 Precedence: dataclass defaults < ``--config file.yaml`` < explicit CLI flags. A YAML key that is
-no field fails with a suggestion; a value of the wrong type fails naming the field.
+no field fails with a suggestion; a value of the wrong type fails naming the field. An optional
+setting (``X | None``) set by a YAML file is unset from the command line with ``--flag none``.
 """
 
 from __future__ import annotations
@@ -15,13 +16,24 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
 from strategy.errors import ConfigError, fail
 
 CONFIG_FLAG = "config"  # --config FILE.yaml
+NONE_WORDS = ("none", "null")  # an optional flag's value that unsets it (YAML's null)
+
+
+class _Cleared:
+    """What ``--flag none`` parses to, told from an unset flag's None."""
+
+    def __repr__(self) -> str:
+        return "none"
+
+
+CLEARED = _Cleared()
 SHIPPED = Path(__file__).resolve().parents[1] / "configs"  # configs/, package data of the wheel
 
 
@@ -69,6 +81,20 @@ def coerce(name: str, tp: Any, value: Any) -> Any:
         fail(name, value, f"expected {getattr(tp, '__name__', tp)}")
 
 
+def _optional(tp: Any) -> bool:
+    """Whether the field's type is ``X | None``."""
+    return _base_type(tp) is not tp
+
+
+def _or_none(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A flag's ``type``, taking ``none`` (or ``null``) for None as well."""
+    def parse(text: str) -> Any:
+        return CLEARED if text.lower() in NONE_WORDS else convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", "value")  # argparse names it in errors
+    return parse
+
+
 def _flag_kwargs(field: dataclasses.Field, tp: Any) -> dict:
     base = _base_type(tp)
     kwargs: dict[str, Any] = {"default": None, "help": field.metadata.get("help", "")}
@@ -77,7 +103,10 @@ def _flag_kwargs(field: dataclasses.Field, tp: Any) -> dict:
     elif typing.get_origin(base) is tuple:
         kwargs.update(nargs=len(typing.get_args(base)), type=float)
     else:
-        kwargs["type"] = json.loads if base is dict else base
+        convert = json.loads if base is dict else base
+        kwargs["type"] = _or_none(convert) if _optional(tp) else convert
+        if _optional(tp):
+            kwargs["help"] += " (none: unset it)"
     return kwargs
 
 
@@ -249,6 +278,9 @@ def parse_configs(classes: Sequence[type], argv: Sequence[str] | None = None,
         value = values.pop(key)
         if getattr(namespace, key) == parser.get_default(key):
             setattr(namespace, key, value)
+    for key in [k for k, v in vars(namespace).items() if v is CLEARED]:
+        values[key] = None  # `--flag none`: unset, over the YAML's value
+        setattr(namespace, key, None)
     values.update({k: v for k, v in vars(namespace).items() if k in names and v is not None})
     return build_configs(classes, values, config_path or "config", foreign), namespace
 

@@ -488,7 +488,7 @@ class GRPOConfig:
             for name in ("reward_fn", "reward_pretrain"):
                 if getattr(self, name) is not None:
                     fail(name, getattr(self, name), "the environment's step returns the rewards "
-                         "with --agent_func_path; drop one of them")
+                         f"with --agent_func_path; unset it (--{name} none) or drop that")
         if not self.episodic:
             return
         for name in ("overlong_buffer_len", "stop_properly_penalty_coef"):
