@@ -499,8 +499,10 @@ class DeepSpeedStrategy:
             ConfigError: ``full`` needs more memory than a rank has free.
         """
         if rollout is not None and rollout.vllm:
-            check_vllm_settings(rollout)
-            return VllmRollout(engine, rollout, max_model_len, self.config.seed * 1_009 + self.rank)
+            check_vllm_settings(rollout, self.world_size)
+            engine_index = self.rank // rollout.vllm_tensor_parallel_size  # its ranks seed alike
+            return VllmRollout(engine, rollout, max_model_len,
+                               self.config.seed * 1_009 + engine_index)
         if gather == "full" and is_partitioned(engine.module):
             check_fits(engine.module, int(self.all_reduce(float(free_memory_bytes()), op="min")))
             return GatheredRollout(engine, self.models.build_plain)

@@ -71,16 +71,17 @@ def _run(root, name: str, **extra) -> dict:
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["zero2", "zero3_icepop_agent", "lora_tis"])
+@pytest.mark.parametrize("case", ["zero2_tp2", "zero3_icepop_agent", "lora_tis"])
 def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
     """After each of 4 updates the vLLM engine, synced from the training engine (ZeRO-2 with
-    tied word embeddings, ZeRO-3 partitioned, LoRA merged on the fly), gives the held-out
+    tied word embeddings and one engine spanning both ranks, ZeRO-3 partitioned, LoRA merged on
+    the fly, the last two an engine per rank), gives the held-out
     prompts' greedy completions the policy's own module gives; the policy moved meanwhile (so
     each sync is checked, not only the first); each rollout logs its sync time and the engine's
     log-probs beside the trainer's (a few 1e-6 apart in fp32); the correction's weights are ~1
     where the two agree. With an environment (three-turn episodes, the ZeRO-3 case, which then
     trains on them) whole greedy episodes, turns and feedback, are equal on both engines too."""
-    extra = {"zero2": {"pretrain": f"{toy}/init_tied"},
+    extra = {"zero2_tp2": {"pretrain": f"{toy}/init_tied", "vllm_tensor_parallel_size": 2},
              "zero3_icepop_agent": {"zero_stage": 3, "is_correction": "icepop", "max_len": 48,
                                     "reward_fn": None,  # the environment's rewards
                                     "agent_func_path": "tests/data/agents/three_turns.py"},
@@ -88,6 +89,7 @@ def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
                           "learning_rate": 2e-2, "is_correction": "tis"}}[case]
     out = _run(toy, case, **extra)
     assert out["engine"] == "VllmRollout"
+    assert out["engine_ranks"] == extra.get("vllm_tensor_parallel_size", 1)  # ranks per engine
     checks = out["checks"]
     assert [c["step"] for c in checks] == [0, 1, 2, 3]
     for check in checks:
@@ -175,12 +177,14 @@ def test_async_rollouts_train_one_update_behind_and_resume_exactly(toy):
     """``--async_rollouts 1``: each rollout after the first was generated while the step before
     trained (``staleness`` 1), so the engine's log-probs are one update behind the trainer's;
     a checkpoint taken with the next rollout in flight resumes bit-identically (that rollout is
-    saved with it)."""
+    saved with it). One engine spans both ranks: its requests are gathered on the main thread,
+    its tensor-parallel collectives run on the generating thread beside the step's."""
     import shutil
 
     keys = ("loss", "reward", "staleness", "engine_logprob_diff", "grad_norm",
             "completion_length")
-    full = _run(toy, "async", async_rollouts=1, save_steps=2)
+    flags = dict(async_rollouts=1, vllm_tensor_parallel_size=2, save_steps=2)
+    full = _run(toy, "async", **flags)
     history = full["history"]
     assert [row["staleness"] for row in history] == [0.0, 1.0, 1.0, 1.0]
     assert history[0]["engine_logprob_diff"] < 1e-4  # on-policy: the weights it sampled with
@@ -188,7 +192,7 @@ def test_async_rollouts_train_one_update_behind_and_resume_exactly(toy):
     ckpt = toy / "async" / "ckpt"
     shutil.rmtree(ckpt / "global_step4")
     (ckpt / "latest").write_text("global_step2")
-    resumed = _run(toy, "async", async_rollouts=1, save_steps=2, load_checkpoint=True)
+    resumed = _run(toy, "async", **flags, load_checkpoint=True)
     assert [{k: r[k] for k in keys} for r in resumed["history"]] == [
         {k: r[k] for k in keys} for r in history[2:]]
     assert resumed["final"] == full["final"]
@@ -232,8 +236,8 @@ def test_is_correction_equals_openrlhf_policy_loss(kind):
 @pytest.mark.parametrize("change, message", [
     ({"vllm_enable_sleep": True}, "vllm_enable_sleep=True is invalid: vLLM's sleep mode needs a "
                                   "CUDA GPU"),
-    ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size=2 is invalid: engines here "
-                                       "span one rank each"),
+    ({"vllm_tensor_parallel_size": 3}, "vllm_tensor_parallel_size=3 is invalid: one engine "
+     "spans that many ranks, and the 2 ranks must split into whole engines; use a divisor of 2"),
     ({"is_correction": "tis", "policy_loss_type": "gspo"}, "is_correction='tis' is invalid: it "
      "weighs each token's loss"),
     ({"rollout_engine": "hf", "is_correction": "tis"}, "is_correction='tis' is invalid: it "
@@ -259,6 +263,26 @@ def test_bad_engine_settings_are_one_line_before_any_process_group(toy, monkeypa
     with pytest.raises(ConfigError) as err:
         load_example("train_grpo")(_expand(_flags(toy, "bad", **change)))
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_an_engine_of_several_ranks_splits_the_attention_heads():
+    """``--vllm_tensor_parallel_size``: the query heads divide among the engine's ranks, and the
+    key/value heads divide or are replicated (vLLM's rule); anything else is one line."""
+    from transformers import LlamaConfig
+
+    from strategy.rollout.vllm_engine import check_engine_split
+
+    def shape(heads: int, kv: int) -> LlamaConfig:
+        return LlamaConfig(hidden_size=8 * heads, num_attention_heads=heads,
+                           num_key_value_heads=kv)
+
+    for heads, kv, tp in ((4, 4, 2), (8, 2, 4), (8, 2, 2), (4, 4, 1)):
+        check_engine_split(shape(heads, kv), tp)
+    for heads, kv, tp in ((4, 4, 8), (6, 6, 4), (12, 3, 2)):
+        with pytest.raises(ConfigError, match=f"^vllm_tensor_parallel_size={tp} is invalid for "
+                           f"this model: its {heads} attention heads \\({kv} key/value heads\\) "
+                           f"do not split among {tp} ranks"):
+            check_engine_split(shape(heads, kv), tp)
 
 
 def test_vllm_missing_is_one_line_naming_the_extra(toy, monkeypatch):

@@ -35,7 +35,9 @@ class RolloutConfig:
         "vLLM: release the engine's KV cache and weights while the update runs (sleep mode; "
         "CUDA only), woken for the next sync", False, trainers=ON_POLICY)
     vllm_tensor_parallel_size: int = doc(
-        "vLLM: ranks one engine spans (1: an engine on every rank)", 1, trainers=ON_POLICY)
+        "vLLM: consecutive ranks one engine spans, its weights split among them (1: an engine "
+        "on every rank; it divides the world size and the model's attention heads)", 1,
+        trainers=ON_POLICY)
     vllm_timeout: float = doc(
         "vLLM: seconds one engine call (a sync, a rollout's generation) may take before the rank "
         "stops with one line saying so", 1800.0, trainers=ON_POLICY)

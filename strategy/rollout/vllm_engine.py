@@ -12,6 +12,11 @@ OpenRLHF's hybrid engine), fed the policy's weights after every change.
   streamed into vLLM's in-place weight reload (``reload_weights``; ``load_weights`` fails on
   vLLM's CPU build, whose linear layers are repacked after loading), then its prefix cache
   reset. No rank holds more than one group beyond vLLM's copy.
+- ``--vllm_tensor_parallel_size N``: one engine spans each N consecutive ranks (vLLM's own
+  tensor-parallel groups inside the same world), each rank streaming it the whole units (its
+  loaders keep their shard). Every rank of an engine must hand it the same requests: a
+  generation gathers its ranks' prompts and seeds (``EnginePeers``, a process group per engine,
+  always on the calling thread) and each rank keeps its own rows.
 - ``generate``: token ids in (no tokenizer in the engine), per-row seeds drawn from the caller's
   seeded generator (the same completions in a resumed run), exactly the settings asked for (the
   checkpoint's ``generation_config`` is not read: ``generation_config="vllm"``), stopping at the
@@ -36,6 +41,7 @@ import sys
 import tempfile
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -60,7 +66,7 @@ def check_vllm_installed() -> None:
         raise ConfigError(f"rollout_engine='vllm' is invalid: vLLM is not installed; {INSTALL}")
 
 
-def check_vllm_settings(config: RolloutConfig) -> None:
+def check_vllm_settings(config: RolloutConfig, world_size: int) -> None:
     """With ``--rollout_engine vllm``: the engine settings this machine cannot run, refused in
     one line (nothing for the ``hf`` engine)."""
     if not config.vllm:
@@ -69,9 +75,22 @@ def check_vllm_settings(config: RolloutConfig) -> None:
     if config.vllm_enable_sleep and not torch.cuda.is_available():
         raise ConfigError("vllm_enable_sleep=True is invalid: vLLM's sleep mode needs a CUDA "
                           "GPU; drop --vllm_enable_sleep")
-    if config.vllm_tensor_parallel_size != 1:
-        raise ConfigError(f"vllm_tensor_parallel_size={config.vllm_tensor_parallel_size} is "
-                          "invalid: engines here span one rank each; use 1")
+    tp = config.vllm_tensor_parallel_size
+    if world_size % tp:
+        raise ConfigError(f"vllm_tensor_parallel_size={tp} is invalid: one engine spans that "
+                          f"many ranks, and the {world_size} ranks must split into whole engines; "
+                          f"use a divisor of {world_size}")
+
+
+def check_engine_split(config: Any, tp: int) -> None:
+    """The model's attention heads divide among an engine's ``tp`` ranks, or one line (every
+    rank alike) before the engine starts."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads % tp or (kv % tp and tp % kv):
+        raise ConfigError(f"vllm_tensor_parallel_size={tp} is invalid for this model: its "
+                          f"{heads} attention heads ({kv} key/value heads) do not split "
+                          f"among {tp} ranks; use a divisor of {heads}")
 
 
 def check_head_size(config: Any) -> None:
@@ -162,6 +181,47 @@ def save_untied_config(model: Any, directory: str) -> dict[str, str]:
     return out
 
 
+def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """Left-padded prompts as token lists, padding dropped."""
+    return [row[keep.bool()].tolist() for row, keep in zip(input_ids.cpu(), attention_mask.cpu())]
+
+
+@dataclass(frozen=True)
+class Requests:
+    """What one engine generates: its ranks' prompts and seeds in rank order, and where this
+    rank's rows start among them."""
+
+    prompts: list[list[int]]
+    seeds: list[int]
+    start: int = 0
+
+
+class EnginePeers:
+    """The ranks one engine spans (``--vllm_tensor_parallel_size``: consecutive ranks, one
+    process group each, made by every rank alike). Every rank of an engine hands it the same
+    requests: each rank's rows are gathered and each takes its own results back."""
+
+    def __init__(self, tp: int) -> None:
+        self.size, self.group, self.index = tp, None, 0
+        if tp == 1:
+            return
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        for first in range(0, world, tp):  # every rank enters every new_group
+            group = torch.distributed.new_group(list(range(first, first + tp)))
+            if first <= rank < first + tp:
+                self.group, self.index = group, rank - first
+
+    def share(self, prompts: list[list[int]], seeds: list[int]) -> Requests:
+        """The engine's requests: this rank's alone, or all its ranks' (collective on them)."""
+        if self.group is None:
+            return Requests(prompts, seeds)
+        parts: list[Any] = [None] * self.size
+        torch.distributed.all_gather_object(parts, (prompts, seeds), group=self.group)
+        start = sum(len(p) for p, _ in parts[:self.index])
+        return Requests([row for p, _ in parts for row in p], [s for _, ss in parts for s in ss],
+                        start)
+
+
 def draw_seeds(rows: int) -> list[int]:
     """One vLLM seed per row from the global generator (the caller's seeded one)."""
     return torch.randint(0, 2**31 - 1, (rows,)).tolist()
@@ -239,6 +299,8 @@ class VllmRollout:
         self.rank = int(os.environ.get("RANK", "0"))
         first = next(self.source.parameters())
         check_head_size(base_model(self.source).config)
+        check_engine_split(base_model(self.source).config, config.vllm_tensor_parallel_size)
+        self._peers = EnginePeers(config.vllm_tensor_parallel_size)
         self._dir = tempfile.mkdtemp(prefix="strategy-vllm-")  # this rank's, gone at exit
         atexit.register(shutil.rmtree, self._dir, ignore_errors=True)
         self._tied = save_untied_config(base_model(self.source), self._dir)
@@ -246,7 +308,8 @@ class VllmRollout:
         with kept_process_state():
             self.llm = LLM(
                 model=self._dir, dtype=first.dtype, load_format="dummy", skip_tokenizer_init=True,
-                distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+                distributed_executor_backend="external_launcher",
+                tensor_parallel_size=config.vllm_tensor_parallel_size,
                 seed=seed, max_model_len=max_model_len, enforce_eager=config.vllm_enforce_eager,
                 gpu_memory_utilization=config.vllm_gpu_memory_utilization,
                 enable_sleep_mode=config.vllm_enable_sleep, logprobs_mode="processed_logprobs",
@@ -291,8 +354,9 @@ class VllmRollout:
         """What ``transformers``' ``generate`` returns for the left-padded prompts: prompt and
         completion, padded after the end. Seeds per row come from the global generator."""
         seeds = draw_seeds(input_ids.shape[0])
-        return self._call("generate", lambda: self._generate(input_ids, attention_mask,
-                                                              generation_config, seeds))
+        return self._call("generate", lambda: self._generate(
+            self._peers.share(prompt_rows(input_ids, attention_mask), seeds), input_ids,
+            generation_config))
 
     def start_generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        generation_config: GenerationConfig) -> Ahead:
@@ -300,21 +364,24 @@ class VllmRollout:
         the step before it trains: ``Ahead.wait()`` (every rank alike) gives ``(output,
         log-probs)``. Nothing else may use the engine meanwhile (``Ahead.join()`` first)."""
         seeds = draw_seeds(input_ids.shape[0])
+        requests = self._call("share", lambda: self._peers.share(
+            prompt_rows(input_ids, attention_mask), seeds))  # collective: here, not on the thread
+
         def run() -> tuple[torch.Tensor, list[list[float]] | None]:
-            out = self._generate(input_ids, attention_mask, generation_config, seeds)
+            out = self._generate(requests, input_ids, generation_config)
             return out, self.logprobs  # this generation's, whatever runs after it
 
         return Ahead(run, self.rank, self.config.vllm_timeout)
 
-    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  generation_config: GenerationConfig, seeds: list[int]) -> torch.Tensor:
+    def _generate(self, requests: Requests, input_ids: torch.Tensor,
+                  generation_config: GenerationConfig) -> torch.Tensor:
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
-        prompts = [{"prompt_token_ids": row[keep.bool()].tolist()}
-                   for row, keep in zip(input_ids.cpu(), attention_mask.cpu())]
-        outputs = self.llm.generate(prompts, sampling_params(generation_config, seeds),
+        prompts = [{"prompt_token_ids": row} for row in requests.prompts]
+        outputs = self.llm.generate(prompts, sampling_params(generation_config, requests.seeds),
                                     use_tqdm=False)
+        outputs = outputs[requests.start:requests.start + input_ids.shape[0]]  # this rank's rows
         tokens = [list(out.outputs[0].token_ids) for out in outputs]
         self.logprobs = [[step[token].logprob for step, token in zip(out.outputs[0].logprobs,
                                                                      out.outputs[0].token_ids)]

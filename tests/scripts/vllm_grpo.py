@@ -18,6 +18,8 @@ import os
 import sys
 import time
 
+from vllm.distributed import get_tensor_model_parallel_world_size
+
 from strategy.rollout import EngineRollout
 from strategy.rollout.config import RolloutConfig
 from strategy.trainers import GRPOConfig, GRPOTrainer
@@ -87,7 +89,8 @@ def main() -> None:
         if run.strategy.rank == 0:
             with open(out_path, "w") as f:
                 json.dump({"history": trainer.history, "final": final, "checks": trainer.checks,
-                           "engine": type(trainer.rollouts).__name__}, f)
+                           "engine": type(trainer.rollouts).__name__,
+                           "engine_ranks": get_tensor_model_parallel_world_size()}, f)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ class DistillationTrainer(Trainer):
             fail("max_new_tokens", distill.max_new_tokens, f"prompt and completion share "
                  f"max_len={data.max_len}; raise --max_len or lower --max_new_tokens")
         check_teacher(distill, configs[ModelConfig])
-        check_vllm_settings(configs[RolloutConfig])
+        check_vllm_settings(configs[RolloutConfig], world_size)
 
     def __init__(self, strategy, model, optimizer, scheduler, train_dataloader,
                  eval_dataloader=None, config=None, tokenizer=None,
