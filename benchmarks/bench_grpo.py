@@ -346,12 +346,12 @@ def spread(values: list[float], fmt: str = ".3f") -> str:
     return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
 
 
-def print_trl_settings(steps: int) -> None:
+def print_trl_settings(steps: int, engine: str) -> None:
     from trl import GRPOConfig
 
     defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     shown = ", ".join(f"{k}={v!r}" + ("" if defaults.get(k) == v else f" [{defaults.get(k)!r}]")
-                      for k, v in trl_settings(steps).items())
+                      for k, v in trl_settings(steps, engine=engine).items())
     print(f"TRL GRPOConfig (TRL 1.16.0's default in brackets where it differs): {shown}")
 
 
@@ -404,7 +404,7 @@ def main() -> None:
     if args.skip >= args.steps:
         args.skip = args.steps // 2
         print(f"--skip lowered to {args.skip}: it must leave timed steps", flush=True)
-    print_trl_settings(args.steps)
+    print_trl_settings(args.steps, args.rollout_engine)
     start = setup(args)
     forwards = [f.strip() for f in args.ours.split(",") if f.strip()]
     if not forwards or set(forwards) - set(OURS_FLAGS):

@@ -33,6 +33,15 @@ def rank_helpers() -> None:
     assert torch.equal(
         s.all_gather(torch.full((2, 3), float(r))), torch.cat([torch.zeros(2, 3), torch.ones(2, 3)])
     )
+    from strategy.trainers.loop import Largest
+    from strategy.trainers.loop.metrics import MetricSums
+
+    sums = MetricSums()  # a step's metrics: means, (sum, count) pairs and maxima, two batches
+    sums.add({"loss": float(r), "tokens": (3.0 * r, 3), "gap": Largest(0.5 + 2 * r)})
+    sums.add({"loss": 1.0, "tokens": (1.0, 1), "gap": Largest(r + 0.25)})
+    sums.add({"loss": 9.0, "tokens": (9.0, 9), "gap": Largest(99.0)}, weight=0)  # a filler
+    out, _ = sums.reduce(s)
+    assert out == {"loss": 0.75, "tokens": 5.0 / 8, "gap": 2.5}  # the max over both ranks
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         s.print("hello", r)

@@ -1,7 +1,6 @@
 """What GRPO (and PPO) do with a rollout engine of their own (vLLM), beside the ``hf`` loop:
 ``--async_rollouts 1`` (the next rollout generated on a thread while this one trains, saved in
-flight with each checkpoint) and the engine's sampled-token log-probs compared with the trainer's
-(``engine_logprob_diff``). A mixin of ``GRPOTrainer``: it reads the trainer's prompts, settings,
+flight with each checkpoint). A mixin of ``GRPOTrainer``: it reads the trainer's prompts, settings,
 engine and experience stage."""
 
 from __future__ import annotations
@@ -9,17 +8,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
 from transformers import GenerationConfig
 
 from strategy.rollout.vllm_engine import Done
 from strategy.trainers.algorithms.completions import sampling_rng
-from strategy.trainers.losses import scored_mask, token_logps
 
 
 class EngineRollouts:
-    """``rollout_ahead`` and its checkpoint state (``ahead_state``, ``load_ahead``), and
-    ``engine_diff``."""
+    """``rollout_ahead`` and its checkpoint state (``ahead_state``, ``load_ahead``)."""
 
     _ahead: tuple | None  # (prompts, generation, version): the rollout in flight
 
@@ -59,23 +55,6 @@ class EngineRollouts:
             ahead = self.rollouts.start_generate(ids, mask, GenerationConfig(
                 **self._settings(True)))
         return batch, ahead, rollout
-
-    def engine_diff(self, batches: list[dict]) -> dict:
-        """The rollout engine's log-probs against the trainer's on the trained tokens (the
-        trainer's pass of the rollout becomes the first update's "old" log-probs): mean and, over
-        every rank, max of the absolute difference."""
-        total, count, largest = 0.0, 0, 0.0
-        with torch.no_grad():
-            for b in batches:
-                if "old_logp" not in b:
-                    b["old_logp"] = token_logps(self.model, self.to_device(b),
-                                                self.grpo.temperature)[0].cpu()
-                mask = self.trained_mask(b, scored_mask(b))
-                diff = (b["old_logp"] - b["engine_logp"]).abs()[mask]
-                total, count = total + diff.sum().item(), count + diff.numel()
-                largest = max(largest, diff.max().item() if diff.numel() else 0.0)
-        return {"engine_logprob_diff": (total, count),
-                "engine_logprob_diff_max": (self.strategy.all_reduce(largest, op="max"), 1)}
 
     def ahead_state(self) -> list:
         """Every rank's rollout in flight (waited for; collective), for the checkpoint: by rank,

@@ -74,10 +74,11 @@ from strategy.trainers.algorithms.rewards import load_reward_fn
 from strategy.trainers.config import DataConfig, GRPOConfig, ModelConfig, TrainConfig
 from strategy.trainers.data import PROMPTS
 from strategy.trainers.data.spec import prompts_per_rank
-from strategy.trainers.loop import Step, StepPlan, Trainer, plan_steps
+from strategy.trainers.loop import Largest, Step, StepPlan, Trainer, plan_steps
 from strategy.trainers.losses import (
     discounted_returns,
     engine_is_weights,
+    engine_logprob_gap,
     grpo_token_losses,
     kl_estimate,
     length_shaped_rewards,
@@ -594,8 +595,6 @@ class GRPOTrainer(EngineRollouts, Trainer):
         real = slice(0, len(completions) - filler)  # the filler's figures are not the step's
         lengths = [sum(e.model) for e in episodes] or [len(c) for c in completions]
         metrics = self._rollout_metrics(rewards[real], lengths[real], truncated[real], shaped)
-        if sampled.engine_logps:
-            metrics.update(self.engine_diff(batches))
         if episodes:
             metrics.update(self.episodes.metrics(episodes[real]))
         return batches, metrics
@@ -740,8 +739,13 @@ class GRPOTrainer(EngineRollouts, Trainer):
         logp, mask = token_logps(self.model, batch, self.grpo.temperature)  # the sampler's
         mask = self.trained_mask(batch, mask)
         key = batch["rollout_index"]  # which micro-batch of the rollout
+        gap = {}
         if key not in self._old_logps:  # the rollout's first update: ratio 1 (kl_in_reward: the
             self._old_logps[key] = batch.get("old_logp", logp.detach())  # rollout's own pass)
+            if "engine_logp" in batch:  # the engine's log-probs beside the trainer's, once
+                mean, largest = engine_logprob_gap(self._old_logps[key], batch["engine_logp"],
+                                                   mask)
+                gap = {"engine_logprob_diff": mean, "engine_logprob_diff_max": Largest(largest)}
         ref = batch.get("ref_logp", logp.detach())
         g = self.grpo
         low, high = g.clip_bounds
@@ -755,7 +759,7 @@ class GRPOTrainer(EngineRollouts, Trainer):
             weights, more = engine_is_weights(self._old_logps[key], batch["engine_logp"], mask,
                                               correction, low_w, high_w)
             losses, metrics = losses * weights, {**metrics, **more}
-        return self.aggregate(losses, mask), metrics
+        return self.aggregate(losses, mask), {**metrics, **gap}
 
     def aggregate(self, losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the step's loss over its token ``losses``

@@ -5,7 +5,8 @@ figures (``throughput``).
 May import: ``strategy`` below ``trainers``, ``trainers.config`` and ``trainers.data``.
 """
 
+from strategy.trainers.loop.metrics import Largest
 from strategy.trainers.loop.steps import StepPlan, plan_steps
 from strategy.trainers.loop.trainer import MAIN, Step, Trainer
 
-__all__ = ["MAIN", "Step", "StepPlan", "Trainer", "plan_steps"]
+__all__ = ["MAIN", "Largest", "Step", "StepPlan", "Trainer", "plan_steps"]

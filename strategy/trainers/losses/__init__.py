@@ -24,6 +24,7 @@ from strategy.trainers.losses.formulas import (
     dpo_loss,
     dpo_losses,
     engine_is_weights,
+    engine_logprob_gap,
     group_advantages,
     grpo_token_losses,
     kto_losses,
@@ -47,7 +48,8 @@ from strategy.trainers.losses.lm import (
 )
 
 __all__ = ["DPO_LOSSES", "ESTIMATORS", "IGNORE", "OUTCOME_ESTIMATORS", "discounted_returns",
-           "dpo_loss", "dpo_losses", "engine_is_weights", "forward_inputs", "gae", "kl_estimate",
+           "dpo_loss", "dpo_losses", "engine_is_weights", "engine_logprob_gap", "forward_inputs",
+           "gae", "kl_estimate",
            "length_shaped_rewards", "outcome_advantages",
            "outcome_token_rewards", "token_moments", "whiten",
            "group_advantages", "grpo_token_losses", "kto_losses", "last_attended", "orpo_losses",

@@ -209,6 +209,14 @@ def engine_is_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: t
                             "is_outside": _mean_pair(outside[scored])}
 
 
+def engine_logprob_gap(old_logp: torch.Tensor, engine_logp: torch.Tensor,
+                       mask: torch.Tensor) -> tuple[tuple[float, int], float]:
+    """The rollout engine's sampled-token log-probs against the trainer's on the scored tokens:
+    the mean |trainer - engine| as a (sum, count) pair, and the largest (0 for none)."""
+    diff = (old_logp - engine_logp).detach().abs()[mask.bool()]
+    return _mean_pair(diff), diff.max().item() if diff.numel() else 0.0
+
+
 def value_token_losses(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                        mask: torch.Tensor, clip: float | None = None,
                        ) -> tuple[torch.Tensor, dict]:
