@@ -49,6 +49,7 @@ from strategy.rollout import (
 )
 from strategy.rollout.config import RolloutConfig
 from strategy.rollout.vllm_engine import VllmRollout, check_vllm_settings
+from strategy.rollout.vllm_remote import RemoteVllmRollout
 from strategy.sampler import ResumableDistributedSampler, ShardSampler
 
 export_log = get_logger("export")
@@ -500,6 +501,10 @@ class DeepSpeedStrategy:
         """
         if rollout is not None and rollout.vllm:
             check_vllm_settings(rollout, self.world_size)
+            if rollout.vllm_num_engines:  # engines in processes of their own
+                index = self.rank // (self.world_size // rollout.vllm_num_engines)
+                return RemoteVllmRollout(engine, rollout, max_model_len,
+                                         self.config.seed * 1_009 + index)
             engine_index = self.rank // rollout.vllm_tensor_parallel_size  # its ranks seed alike
             return VllmRollout(engine, rollout, max_model_len,
                                self.config.seed * 1_009 + engine_index)

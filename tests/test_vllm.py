@@ -55,11 +55,11 @@ def _flags(root, name: str, **extra) -> list[str]:
             if v is not None]
 
 
-def _job(root, name: str, env: dict | None = None, **extra):
+def _job(root, name: str, env: dict | None = None, timeout: float = 600, **extra):
     from tests.support.helpers import run_job, torchrun_command
 
     return run_job(torchrun_command("tests/scripts/vllm_grpo.py", str(root / f"{name}.json"),
-                                    *_flags(root, name, **extra)), timeout=600,
+                                    *_flags(root, name, **extra)), timeout=timeout,
                    env={**os.environ, **(env or {})})
 
 
@@ -71,11 +71,13 @@ def _run(root, name: str, **extra) -> dict:
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["zero2_tp2", "zero3_icepop_agent", "lora_tis"])
+@pytest.mark.parametrize("case", ["zero2_tp2", "zero3_icepop_agent", "lora_tis",
+                                  "zero3_engine_process"])
 def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
     """After each of 4 updates the vLLM engine, synced from the training engine (ZeRO-2 with
     tied word embeddings and one engine spanning both ranks, ZeRO-3 partitioned, LoRA merged on
-    the fly, the last two an engine per rank), gives the held-out
+    the fly, those two an engine per rank, and ZeRO-3 tied with one engine in a process of its
+    own serving both ranks, its weights sent over the socket), gives the held-out
     prompts' greedy completions the policy's own module gives; the policy moved meanwhile (so
     each sync is checked, not only the first); each rollout logs its sync time and the engine's
     log-probs beside the trainer's (a few 1e-6 apart in fp32); the correction's weights are ~1
@@ -86,10 +88,13 @@ def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
                                     "reward_fn": None,  # the environment's rewards
                                     "agent_func_path": "tests/data/agents/three_turns.py"},
              "lora_tis": {"lora_rank": 8, "lora_alpha": 16, "target_modules": "all-linear",
-                          "learning_rate": 2e-2, "is_correction": "tis"}}[case]
+                          "learning_rate": 2e-2, "is_correction": "tis"},
+             "zero3_engine_process": {"zero_stage": 3, "pretrain": f"{toy}/init_tied",
+                                      "vllm_num_engines": 1}}[case]
     out = _run(toy, case, **extra)
-    assert out["engine"] == "VllmRollout"
-    assert out["engine_ranks"] == extra.get("vllm_tensor_parallel_size", 1)  # ranks per engine
+    assert out["engine"] == ("RemoteVllmRollout" if "process" in case else "VllmRollout")
+    ranks = extra.get("vllm_tensor_parallel_size", 2 if "process" in case else 1)
+    assert out["engine_ranks"] == ranks  # ranks per engine
     checks = out["checks"]
     assert [c["step"] for c in checks] == [0, 1, 2, 3]
     for check in checks:
@@ -114,24 +119,32 @@ def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
 @pytest.mark.parametrize("fault, line", [
     ("raise", "vLLM engine on rank 1 failed in generate: RuntimeError: injected engine failure"),
     ("hang", "the vLLM engine on rank 1 (generate) did not return within --vllm_timeout=20 s"),
+    ("kill", "vLLM engine 0 (a process of its own, serving ranks 0-1) failed in generate: "
+             "ConnectionError: its process (pid "),
+    ("die", None),
 ])
 def test_an_engine_that_fails_or_hangs_stops_every_rank_in_one_line(toy, fault, line):
-    """Rank 1's engine raises, or hangs, in the second rollout: the job ends (a hang after
-    --vllm_timeout) with one line naming the engine, the call and the rank; the checkpoint saved
-    before it is whole; no process of the job is left."""
+    """Rank 1's engine raises, or hangs, in the second rollout, or (``--vllm_num_engines 1``)
+    the engine's own process is killed there: the job ends (a hang after --vllm_timeout) with
+    one line naming the engine, the call and the rank(s); or rank 0, which started the engine
+    process, is killed there (the launcher then stops rank 1). The checkpoint saved before it is
+    whole; no process of the job is left, the engine's included."""
     import glob
     import subprocess
 
-    job = _job(toy, fault, env={"VLLM_FAULT": f"{fault}:1"}, save_steps=1, vllm_timeout=20)
+    extra = {"vllm_num_engines": 1} if fault in ("kill", "die") else {}
+    job = _job(toy, fault, env={"VLLM_FAULT": f"{fault}:{0 if fault == 'die' else 1}"},
+               save_steps=1, vllm_timeout=20, timeout=240, **extra)  # a process left: stuck
     output = job.stdout + job.stderr
-    assert job.returncode != 0 and line in output, output[-3000:]
-    assert "Traceback" not in "\n".join(x for x in output.splitlines() if line in x)
+    assert job.returncode != 0 and (line is None or line in output), output[-3000:]
+    if line is not None:
+        assert "Traceback" not in "\n".join(x for x in output.splitlines() if line in x)
     saved = glob.glob(str(toy / fault / "ckpt" / "*" / "latest")) or glob.glob(
         str(toy / fault / "ckpt" / "latest"))
     assert saved, sorted(glob.glob(str(toy / fault / "ckpt" / "**"), recursive=True))[:10]
-    left = subprocess.run(["pgrep", "-f", f"vllm_grpo.py {toy / fault}"], capture_output=True,
-                          text=True).stdout
-    assert not left.strip(), left
+    for pattern in (f"vllm_grpo.py {toy / fault}", "strategy.rollout.vllm_server import main"):
+        left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+        assert not left.strip(), (pattern, left)
 
 
 @needs_vllm
@@ -173,26 +186,31 @@ def test_distillation_samples_on_vllm_as_on_hf(toy):
 
 @needs_vllm
 @pytest.mark.slow
-def test_async_rollouts_train_one_update_behind_and_resume_exactly(toy):
+@pytest.mark.parametrize("engines", ["tp2", "process"])
+def test_async_rollouts_train_one_update_behind_and_resume_exactly(toy, engines):
     """``--async_rollouts 1``: each rollout after the first was generated while the step before
     trained (``staleness`` 1), so the engine's log-probs are one update behind the trainer's;
     a checkpoint taken with the next rollout in flight resumes bit-identically (that rollout is
-    saved with it). One engine spans both ranks: its requests are gathered on the main thread,
-    its tensor-parallel collectives run on the generating thread beside the step's."""
+    saved with it). One engine spans both ranks (``tp2``: its requests are gathered on the main
+    thread, its tensor-parallel collectives run on the generating thread beside the step's), or
+    one engine in a process of its own serves both (``process``: it generates while the ranks
+    train)."""
     import shutil
 
     keys = ("loss", "reward", "staleness", "engine_logprob_diff", "grad_norm",
             "completion_length")
-    flags = dict(async_rollouts=1, vllm_tensor_parallel_size=2, save_steps=2)
-    full = _run(toy, "async", **flags)
+    name = f"async_{engines}"
+    flags = dict(async_rollouts=1, save_steps=2, **({"vllm_tensor_parallel_size": 2} if
+                                                     engines == "tp2" else {"vllm_num_engines": 1}))
+    full = _run(toy, name, **flags)
     history = full["history"]
     assert [row["staleness"] for row in history] == [0.0, 1.0, 1.0, 1.0]
     assert history[0]["engine_logprob_diff"] < 1e-4  # on-policy: the weights it sampled with
     assert all(row["engine_logprob_diff"] > 1e-3 for row in history[1:])  # one update behind
-    ckpt = toy / "async" / "ckpt"
+    ckpt = toy / name / "ckpt"
     shutil.rmtree(ckpt / "global_step4")
     (ckpt / "latest").write_text("global_step2")
-    resumed = _run(toy, "async", **flags, load_checkpoint=True)
+    resumed = _run(toy, name, **flags, load_checkpoint=True)
     assert [{k: r[k] for k in keys} for r in resumed["history"]] == [
         {k: r[k] for k in keys} for r in history[2:]]
     assert resumed["final"] == full["final"]
@@ -249,6 +267,14 @@ def test_is_correction_equals_openrlhf_policy_loss(kind):
     ({"rollout_engine": "hf", "async_rollouts": 1}, "async_rollouts=1 is invalid: the hf engine "
      "generates with the training ranks' own module"),
     ({"async_rollouts": 2}, "async_rollouts=2 is invalid: one rollout ahead at most here"),
+    ({"vllm_num_engines": 3}, "vllm_num_engines=3 is invalid: each engine serves whole ranks, "
+     "and the 2 ranks must split among 3 engines; use a divisor of 2"),
+    ({"vllm_num_engines": 1, "vllm_tensor_parallel_size": 2}, "vllm_num_engines=1 is invalid "
+     "with vllm_tensor_parallel_size=2: an engine in a process of its own runs on one device"),
+    ({"rollout_engine": "hf", "vllm_num_engines": 1}, "vllm_num_engines=1 is invalid: it "
+     "applies to --rollout_engine vllm"),
+    ({"vllm_num_engines": -1}, "vllm_num_engines=-1 is invalid: use 0 (an engine in every "
+     "rank)"),
     ({"async_rollouts": 1, "dynamic_filtering": True}, "async_rollouts=1 is invalid: dynamic "
      "sampling decides the next round"),
 ])

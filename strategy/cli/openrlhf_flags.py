@@ -207,8 +207,8 @@ PER_PARSER: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 _RAY = "Ray placement: launch with deepspeed/torchrun/`strategy <trainer> --nproc N` instead"
-_VLLM = ("vLLM engines here are colocated, one on every rank: --rollout_engine vllm (weights "
-         "synced in process, no Ray)")
+_VLLM = ("vLLM engines here run in every rank (--rollout_engine vllm) or in N processes of "
+         "their own (--vllm_num_engines N), their weights synced without Ray")
 _MUON = "Muon is not here; --optimizer fused_adam, cpu_adam or hybrid_adam (Adam)"
 _VLM = "vision-language training is not here; text prompts only"
 _ASYNC = ("partial rollouts are not here: a rollout is generated whole, on the weights of one "

