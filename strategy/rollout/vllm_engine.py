@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import copy
 import importlib.util
+import logging
 import os
 import random
 import shutil
@@ -211,6 +212,12 @@ def save_untied_config(model: Any, directory: str | None) -> dict[str, str]:
     return out
 
 
+def quiet_rotary_reload(record: logging.LogRecord) -> bool:
+    """vLLM's reload warns at every sync that a rotary embedding got no weights: it has none
+    (its cos/sin cache is put back as it was); a layer with real weights still warns."""
+    return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
 def start_llm(directory: str, dtype: torch.dtype, config: RolloutConfig, max_model_len: int,
               seed: int) -> Any:
     """A vLLM engine in this process (``external_launcher``: it joins the process group already
@@ -220,6 +227,8 @@ def start_llm(directory: str, dtype: torch.dtype, config: RolloutConfig, max_mod
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.vllm_cpu_kv_cache_gb))
     from vllm import LLM  # the optional extra: imported only when asked for
 
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+        quiet_rotary_reload)
     with kept_process_state():
         return LLM(
             model=directory, dtype=dtype, load_format="dummy", skip_tokenizer_init=True,
