@@ -48,7 +48,8 @@ from strategy.rollout import (
     is_partitioned,
 )
 from strategy.rollout.config import RolloutConfig
-from strategy.rollout.vllm_engine import VllmRollout, check_vllm_settings
+from strategy.rollout.vllm_checks import check_vllm_settings
+from strategy.rollout.vllm_engine import VllmRollout
 from strategy.rollout.vllm_remote import RemoteVllmRollout
 from strategy.sampler import ResumableDistributedSampler, ShardSampler
 
@@ -501,13 +502,11 @@ class DeepSpeedStrategy:
         """
         if rollout is not None and rollout.vllm:
             check_vllm_settings(rollout, self.world_size)
-            if rollout.vllm_num_engines:  # engines in processes of their own
-                index = self.rank // (self.world_size // rollout.vllm_num_engines)
-                return RemoteVllmRollout(engine, rollout, max_model_len,
-                                         self.config.seed * 1_009 + index)
-            engine_index = self.rank // rollout.vllm_tensor_parallel_size  # its ranks seed alike
-            return VllmRollout(engine, rollout, max_model_len,
-                               self.config.seed * 1_009 + engine_index)
+            apart = rollout.vllm_num_engines  # engines in processes of their own
+            ranks = self.world_size // apart if apart else rollout.vllm_tensor_parallel_size
+            kind = RemoteVllmRollout if apart else VllmRollout
+            return kind(engine, rollout, max_model_len,  # an engine's ranks seed it alike
+                        self.config.seed * 1_009 + self.rank // ranks)
         if gather == "full" and is_partitioned(engine.module):
             check_fits(engine.module, int(self.all_reduce(float(free_memory_bytes()), op="min")))
             return GatheredRollout(engine, self.models.build_plain)

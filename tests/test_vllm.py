@@ -296,7 +296,7 @@ def test_an_engine_of_several_ranks_splits_the_attention_heads():
     key/value heads divide or are replicated (vLLM's rule); anything else is one line."""
     from transformers import LlamaConfig
 
-    from strategy.rollout.vllm_engine import check_engine_split
+    from strategy.rollout.vllm_checks import check_engine_split
 
     def shape(heads: int, kv: int) -> LlamaConfig:
         return LlamaConfig(hidden_size=8 * heads, num_attention_heads=heads,

@@ -29,23 +29,24 @@ import socket
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict
 from multiprocessing.connection import Client
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from transformers import GenerationConfig
 
 from strategy.dist import checked, free_port
-from strategy.errors import RankFailedError
 from strategy.model import base_model
 from strategy.rollout.config import RolloutConfig
+from strategy.rollout.vllm_checks import check_head_size
 from strategy.rollout.vllm_engine import (
     EnginePeers,
     Requests,
     VllmRollout,
-    check_head_size,
     deadline,
+    engine_failure,
     save_untied_config,
     with_completions,
 )
@@ -56,15 +57,14 @@ LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")
 
 
-def engine_env(config: RolloutConfig, device: int | None) -> dict[str, str]:
+def engine_env(device: int | None) -> dict[str, str]:
     """The engine process's environment: this one's without the training world's launcher
-    variables, a one-process world of its own, its device on CUDA."""
+    variables, a one-process world of its own, its device on CUDA (vLLM's own variables are
+    set in it by ``start_llm``, as in a rank)."""
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               VLLM_CPU_KVCACHE_SPACE=str(config.vllm_cpu_kv_cache_gb))
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     if device is not None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[device] if visible else str(device)
@@ -117,13 +117,18 @@ class RemoteVllmRollout(VllmRollout):
         self._peers = EnginePeers(1)  # each rank sends its own rows; the engine batches them
         model = base_model(self.source)
         check_head_size(model.config)
-        self._tied = save_untied_config(model, None)
+        directory = None  # the engine's config.json, written by the rank that starts it
+        if self.rank == self.first:
+            directory = tempfile.mkdtemp(prefix="strategy-vllm-")
+            atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        self._tied = save_untied_config(model, directory)
         self.process: subprocess.Popen | None = None
-        started = checked(self._start, model, max_model_len, seed, make=self._error("start"))
+        failed = engine_failure(self.describe, "start")
+        started = checked(self._start, directory, max_model_len, seed, make=failed)
         addresses: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(addresses, started)
         self.address = addresses[self.first]
-        self._conn = checked(self._connect, make=self._error("start"))
+        self._conn = checked(self._connect, make=failed)
         self._prepare_stream()
 
     def describe(self, rank: int) -> str:
@@ -131,17 +136,10 @@ class RemoteVllmRollout(VllmRollout):
         return (f"vLLM engine {rank // self.per} (a process of its own, serving ranks "
                 f"{first}-{first + self.per - 1})")
 
-    def _error(self, call: str) -> Any:
-        return lambda rank, message: RankFailedError(
-            f"{self.describe(rank)} failed in {call}: {message}")
-
-    def _start(self, model: Any, max_model_len: int, seed: int) -> dict | None:
+    def _start(self, directory: str | None, max_model_len: int, seed: int) -> dict | None:
         """On the engine's first rank: its process started and ready; its address."""
-        if self.rank != self.first:
+        if directory is None:
             return None
-        directory = tempfile.mkdtemp(prefix="strategy-vllm-")
-        atexit.register(shutil.rmtree, directory, ignore_errors=True)
-        save_untied_config(model, directory)
         key = secrets.token_hex(16)
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE",
@@ -152,7 +150,7 @@ class RemoteVllmRollout(VllmRollout):
         self.process = subprocess.Popen(
             [sys.executable, "-c", "from strategy.rollout.vllm_server import main; main()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env=engine_env(self.config, engine_device(local_rank, local_world, self.per)))
+            env=engine_env(engine_device(local_rank, local_world, self.per)))
         atexit.register(stop, self.process)
         self.process.stdin.write(json.dumps(spec) + "\n")
         self.process.stdin.close()
@@ -176,41 +174,39 @@ class RemoteVllmRollout(VllmRollout):
         conn.send(self.rank - self.first)
         return conn
 
-    def _send(self, message: Any) -> None:
+    @contextmanager
+    def _link(self) -> Iterator[None]:
+        """The socket to the engine failing (its process gone) as one line saying so."""
         try:
-            self._conn.send(message)
-        except OSError as exc:
+            yield
+        except (EOFError, OSError) as exc:
             raise ConnectionError(f"its process (pid {self.address['pid']}) ended") from exc
 
     def _reply(self) -> Any:
         """The engine's answer to the last call, or its error raised here."""
-        try:
+        with self._link():
             kind, value = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            raise ConnectionError(f"its process (pid {self.address['pid']}) ended") from exc
         if kind == "error":
             name, message = value
             raise type(name, (RuntimeError,), {})(message)  # the engine's error, as it named it
         return value
 
-    def _send_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        try:
-            send_tensor(self._conn, name, tensor)
-        except OSError as exc:
-            raise ConnectionError(f"its process (pid {self.address['pid']}) ended") from exc
-
     def _sync(self) -> None:
-        self._send(("sync",))
+        with self._link():
+            self._conn.send(("sync",))
         for name, tensor in self._weights():  # every rank enters every gather
             if self.rank == self.first:
-                self._send_tensor(name, tensor)
+                with self._link():
+                    send_tensor(self._conn, name, tensor)
         if self.rank == self.first:
-            self._send(("end",))
+            with self._link():
+                self._conn.send(("end",))
         self._reply()
 
     def _generate(self, requests: Requests, input_ids: torch.Tensor,
                   generation_config: GenerationConfig) -> torch.Tensor:
-        self._send(("generate", requests.prompts, requests.seeds,
-                         generation_settings(generation_config)))
+        with self._link():
+            self._conn.send(("generate", requests.prompts, requests.seeds,
+                             generation_settings(generation_config)))
         tokens, self.logprobs = self._reply()
         return with_completions(input_ids, tokens, generation_config.pad_token_id)

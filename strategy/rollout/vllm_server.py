@@ -140,7 +140,7 @@ def main() -> None:
     os.dup2(2, 1)
     try:
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        config = RolloutConfig(**{**spec["rollout"], "vllm_num_engines": 0})
+        config = RolloutConfig(**spec["rollout"])
         llm = start_llm(spec["dir"], getattr(torch, spec["dtype"]), config,
                         spec["max_model_len"], spec["seed"])
         listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(spec["authkey"]))

@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoTokenizer
 from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.rollout.config import RolloutConfig
-from strategy.rollout.vllm_engine import check_vllm_settings
+from strategy.rollout.vllm_checks import check_vllm_settings
 from strategy.trainers.algorithms.completions import (
     completion_batch,
     generate_completions,

