@@ -203,20 +203,27 @@ def test_yaml_with_bad_key_fails_the_same_way(toy, tmp_path, monkeypatch):
         Run.from_args(["--config", str(path)])
 
 
-def test_fp16_refused_where_deepspeed_cannot_train_it(toy, monkeypatch):
+@pytest.mark.parametrize("fp16_supported", [False, True], ids=["no_fp16", "fp16"])
+def test_fp16_refused_where_deepspeed_cannot_train_it(toy, monkeypatch, fp16_supported):
+    """The accelerator's own answer decides: DeepSpeed's CPU accelerator says yes where the CPU has
+    mkldnn fp16 (AMX-FP16/AVX512-FP16, as on CI's machine) and no elsewhere (as here), so both
+    answers are set here, and a yes must get past the check to the process group."""
     from deepspeed.accelerator import get_accelerator
 
     from strategy.trainers.run import Run
     from tests.support.helpers import forbid_process_group
 
-    if get_accelerator().is_fp16_supported():
-        pytest.skip("this accelerator trains fp16")
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: fp16_supported)
     forbid_process_group(monkeypatch, world_size=None)
-    with pytest.raises(
-        ConfigError,
-        match=r"fp16=True is invalid: DeepSpeed has no fp16 training on this machine's "
-        r"accelerator \(cpu\); use --bf16",
-    ):
+    if fp16_supported:
+        want = pytest.raises(AssertionError, match="init_distributed was reached")
+    else:
+        want = pytest.raises(
+            ConfigError,
+            match=r"fp16=True is invalid: DeepSpeed has no fp16 training on this machine's "
+            r"accelerator \(cpu\); use --bf16",
+        )
+    with want:
         Run.from_args(_argv({**_base(toy), "fp16": True}))
 
 
