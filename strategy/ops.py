@@ -9,6 +9,8 @@ at a time, with a line when it starts and when it finishes.
 - ``tests``: also DeepSpeedCPUAdam (offload, HybridAdam), async_io (NVMe state files; only where
   Debian's libaio-dev is installed) and, on the CPU accelerator, the shared-memory allreduce that
   ``deepspeed.init_distributed`` builds under the deepspeed launcher.
+- ``nvme``: async_io alone (``.ci/run`` builds the others with ``--skip AsyncIOBuilder``, then
+  this one at the lowest priority beside the tests, before the NVMe tests load it).
 
 On 2 cores one op's files already fill both (ninja compiles them in parallel), so ops build one
 after another there (measured: 112 s for FusedAdam + shm_comm in turn, 129 s side by side);
@@ -31,7 +33,7 @@ from strategy.log import get_logger
 
 DEFAULT = ("FusedAdamBuilder",)
 TESTS = ("FusedAdamBuilder", "ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
-SETS = {"default": DEFAULT, "tests": TESTS, "all": TESTS}
+SETS = {"default": DEFAULT, "tests": TESTS, "all": TESTS, "nvme": ("AsyncIOBuilder",)}
 log = get_logger("ops")
 _BUILD_ONE = ("import sys; from deepspeed.accelerator import get_accelerator; "
               "get_accelerator().create_op_builder(sys.argv[1]).load(verbose=False)")
@@ -65,9 +67,11 @@ def _build(name: str) -> tuple[str, float, str]:
     return op, seconds, tail[0] if tail else ""
 
 
-def build_ops(which: str = "tests", jobs: int = 1) -> list[tuple[str, float, str]]:
-    """Build the ``which`` set, ``jobs`` ops at a time; (op, seconds, error or "") per op."""
-    names = buildable(SETS[which])
+def build_ops(which: str = "tests", jobs: int = 1,
+              skip: tuple[str, ...] = ()) -> list[tuple[str, float, str]]:
+    """Build the ``which`` set but ``skip``'s builders, ``jobs`` ops at a time; (op, seconds,
+    error or "") per op."""
+    names = buildable(tuple(name for name in SETS[which] if name not in skip))
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return list(pool.map(_build, names))
 
@@ -78,9 +82,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("which", nargs="?", default="tests", choices=sorted(SETS))
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="ops built at the same time (default: cores / 2)")
+    parser.add_argument("--skip", action="append", default=[], choices=TESTS,
+                        help="a builder of the set not to build now (repeatable)")
     args = parser.parse_args(argv)
     start = time.monotonic()
-    results = build_ops(args.which, args.jobs)
+    results = build_ops(args.which, args.jobs, tuple(args.skip))
     failed = [f"{op}: {error}" for op, _, error in results if error]
     log.info("%s: %d of %d ops ready in %.0f s", args.which, len(results) - len(failed),
              len(results), time.monotonic() - start)
