@@ -121,18 +121,21 @@ def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
     ("hang", "the vLLM engine on rank 1 (generate) did not return within --vllm_timeout=20 s"),
     ("kill", "vLLM engine 0 (a process of its own, serving ranks 0-1) failed in generate: "
              "ConnectionError: its process (pid "),
+    ("stop", "the vLLM engine 0 (a process of its own, serving ranks 0-1) (generate) did not "
+             "return within --vllm_timeout=20 s"),
     ("die", None),
 ])
 def test_an_engine_that_fails_or_hangs_stops_every_rank_in_one_line(toy, fault, line):
     """Rank 1's engine raises, or hangs, in the second rollout, or (``--vllm_num_engines 1``)
-    the engine's own process is killed there: the job ends (a hang after --vllm_timeout) with
-    one line naming the engine, the call and the rank(s); or rank 0, which started the engine
-    process, is killed there (the launcher then stops rank 1). The checkpoint saved before it is
-    whole; no process of the job is left, the engine's included."""
+    the engine's own process is killed, or stopped (SIGSTOP: it hangs), there: the job ends (a
+    hang after --vllm_timeout) with one line naming the engine, the call and the rank(s); or
+    rank 0, which started the engine process, is killed there (the launcher then stops rank 1).
+    The checkpoint saved before it is whole; no process of the job is left, the engine's
+    included (a stopped one too)."""
     import glob
     import subprocess
 
-    extra = {"vllm_num_engines": 1} if fault in ("kill", "die") else {}
+    extra = {"vllm_num_engines": 1} if fault in ("kill", "stop", "die") else {}
     job = _job(toy, fault, env={"VLLM_FAULT": f"{fault}:{0 if fault == 'die' else 1}"},
                save_steps=1, vllm_timeout=20, timeout=240, **extra)  # a process left: stuck
     output = job.stdout + job.stderr

@@ -66,7 +66,7 @@ def inject(rollouts, rank: int) -> None:
     kind, _, where = os.environ.get("VLLM_FAULT", "").partition(":")
     if not kind or int(where) != rank:
         return
-    if kind in ("kill", "die"):  # the engine's process, or the rank itself
+    if kind in ("kill", "stop", "die"):  # the engine's process, or the rank itself
         owner, name = rollouts, "_generate"
     else:
         owner, name = rollouts.llm, "generate"
@@ -76,8 +76,8 @@ def inject(rollouts, rank: int) -> None:
         calls.append(1)
         if len(calls) == 3 and kind == "raise":
             raise RuntimeError("injected engine failure")
-        if len(calls) == 3 and kind == "kill":
-            os.kill(rollouts.address["pid"], signal.SIGKILL)
+        if len(calls) == 3 and kind in ("kill", "stop"):  # it ends, or hangs
+            os.kill(rollouts.address["pid"], signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
             time.sleep(1)
         elif len(calls) == 3 and kind == "die":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -127,7 +127,11 @@ def run_job(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedPro
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(proc)
-        stdout, stderr = proc.communicate()
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # held open by a process outside the group: left over
+            stdout, stderr = "", ("its output is still held open by a process outside its "
+                                  "process group (one of the job's, left behind)")
         raise AssertionError(f"{' '.join(map(str, cmd[:6]))}... still running after {timeout} s "
                              f"(killed with its process group):\n{(stdout + stderr)[-3000:]}"
                              ) from None
