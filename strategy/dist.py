@@ -114,6 +114,10 @@ def free_port() -> int:
 # ------------------------------------------------------------ start-up
 
 
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""The variables ``ensure_launch_env`` may fill in this process's environment."""
+
+
 def from_slurm() -> None:
     """Under ``srun`` (``deepspeed --launcher slurm`` starts the script once per task, with no
     rank variables of its own) the ranks come from Slurm's task variables."""

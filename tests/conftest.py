@@ -2,6 +2,7 @@ import os
 
 import pytest
 
+from strategy.dist import LAUNCH_ENV
 from tests.support.ranks import Ranks, shm_buffers
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -17,15 +18,12 @@ def ranks():
     pool.close()
 
 
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 @pytest.fixture(autouse=True)
 def launch_env_kept():
     """A test that gets as far as ``dist.ensure_launch_env`` in the pytest process fills the
     launcher's variables for a 1-rank run; left set, they would make every later job's ranks
     think so (a Slurm job's two tasks both rank 0 of 1). Each test ends with them as before."""
-    saved = {key: os.environ.get(key) for key in LAUNCH_VARS}
+    saved = {key: os.environ.get(key) for key in LAUNCH_ENV}
     yield
     for key, value in saved.items():
         if value is None:
