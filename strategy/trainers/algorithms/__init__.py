@@ -1,6 +1,8 @@
 """The algorithms, one file each, all on the public ``Trainer`` API (``trainers.loop``): SFT,
 reward model, DPO, the reference-free ORPO and SimPO (``preference``), KTO, online RL (GRPO,
-with its ``rewards``, and PPO with a critic on GRPO's rollouts) and on-policy distillation.
+with its ``rewards``, and PPO with a critic on GRPO's rollouts) and on-policy distillation. GRPO's
+stages have a module each, mixins of ``GRPOTrainer``: ``experience`` (rollouts to micro-batches),
+``policy_update`` (advantages and the loss), ``ahead`` (rollouts generated ahead on vLLM).
 
 May import: ``strategy`` below ``trainers``, and ``trainers.config``, ``losses``, ``data``,
 ``loop``; nothing underscored of ``Trainer`` (``tests/test_layout.py`` checks).
