@@ -37,7 +37,37 @@ def toy(tmp_path_factory):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tied).save_pretrained(root / "init_tied")
     tok.save_pretrained(root / "init_tied")
+    tool_caller(root / "tools")
     return root
+
+
+def tool_caller(root, steps: int = 60) -> None:
+    """The tool-use example's data in ``root/data`` and, in ``root/sft``, its tiny model after a
+    short SFT on conversations that call the calculator (plain torch, one process, ~10 s): its
+    greedy turns are well-formed calls (of the wrong numbers, mostly), so episodes have tool
+    turns; a model from its config alone never calls a tool."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from strategy.demos.toy_tools import make
+    from strategy.trainers.run import hf_config
+
+    make(str(root / "data"), n_train=512, n_test=13, seed=1)
+    tok = AutoTokenizer.from_pretrained(str(root / "data/tokenizer"))
+    rows = [json.loads(line) for line in open(root / "data/tool_sft.jsonl")]
+    chats = [tok.apply_chat_template(r["messages"], return_dict=False) for r in rows]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama_tools.json", tok))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    for step in range(steps):
+        batch = chats[step * 32 % len(chats):][:32]
+        n = max(map(len, batch))
+        ids = torch.tensor([c + [tok.pad_token_id] * (n - len(c)) for c in batch])
+        labels = torch.tensor([c + [-100] * (n - len(c)) for c in batch])
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(root / "sft")
+    tok.save_pretrained(root / "sft")
 
 
 def _flags(root, name: str, **extra) -> list[str]:
@@ -71,40 +101,52 @@ def _run(root, name: str, **extra) -> dict:
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["zero2_tp2", "zero3_icepop_agent", "lora_tis",
-                                  "zero3_engine_process"])
+@pytest.mark.parametrize("case", ["zero2_tp2", "zero3_icepop_agent", "lora_tis_tools",
+                                  "zero3_engine_process_tp2"])
 def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
     """After each of 4 updates the vLLM engine, synced from the training engine (ZeRO-2 with
     tied word embeddings and one engine spanning both ranks, ZeRO-3 partitioned, LoRA merged on
-    the fly, those two an engine per rank, and ZeRO-3 tied with one engine in a process of its
-    own serving both ranks, its weights sent over the socket), gives the held-out
+    the fly, those two an engine per rank, and ZeRO-3 tied with one engine of two processes of
+    its own, tensor parallel, serving both ranks, its weights sent over the socket and broadcast
+    between its processes), gives the held-out
     prompts' greedy completions the policy's own module gives; the policy moved meanwhile (so
     each sync is checked, not only the first); each rollout logs its sync time and the engine's
     log-probs beside the trainer's (a few 1e-6 apart in fp32); the correction's weights are ~1
     where the two agree. With an environment (three-turn episodes, the ZeRO-3 case, which then
-    trains on them) whole greedy episodes, turns and feedback, are equal on both engines too."""
+    trains on them; or ``--tools``, the LoRA case, from a short SFT that calls the calculator)
+    whole greedy episodes, turns and feedback (the tool's turns), are equal on both engines
+    too."""
     extra = {"zero2_tp2": {"pretrain": f"{toy}/init_tied", "vllm_tensor_parallel_size": 2},
              "zero3_icepop_agent": {"zero_stage": 3, "is_correction": "icepop", "max_len": 48,
                                     "reward_fn": None,  # the environment's rewards
                                     "agent_func_path": "tests/data/agents/three_turns.py"},
-             "lora_tis": {"lora_rank": 8, "lora_alpha": 16, "target_modules": "all-linear",
-                          "learning_rate": 2e-2, "is_correction": "tis"},
-             "zero3_engine_process": {"zero_stage": 3, "pretrain": f"{toy}/init_tied",
-                                      "vllm_num_engines": 1}}[case]
+             "lora_tis_tools": {"lora_rank": 8, "lora_alpha": 16, "target_modules": "all-linear",
+                                "learning_rate": 3e-3, "is_correction": "tis",
+                                "pretrain": f"{toy}/tools/sft", "max_len": 96,
+                                "max_new_tokens": 24, "apply_chat_template": True,
+                                "dataset": f"{toy}/tools/data/train.jsonl",
+                                "eval_dataset": f"{toy}/tools/data/test.jsonl",
+                                "tools": "strategy.demos.toy_tools:TOOLS"},
+             "zero3_engine_process_tp2": {"zero_stage": 3, "pretrain": f"{toy}/init_tied",
+                                          "vllm_num_engines": 1,
+                                          "vllm_tensor_parallel_size": 2}}[case]
     out = _run(toy, case, **extra)
     assert out["engine"] == ("RemoteVllmRollout" if "process" in case else "VllmRollout")
-    ranks = extra.get("vllm_tensor_parallel_size", 2 if "process" in case else 1)
+    ranks = 2 if "process" in case else extra.get("vllm_tensor_parallel_size", 1)
     assert out["engine_ranks"] == ranks  # ranks per engine
+    assert out["engine_processes"] == (2 if "process" in case else 0)  # its own, apart
     checks = out["checks"]
     assert [c["step"] for c in checks] == [0, 1, 2, 3]
     for check in checks:
         assert check["vllm"] == check["hf"], check["step"]
-        if "agent" in case:  # episodes batched per turn: every turn equal on both
+        if "agent" in case or "tools" in case:  # episodes batched per turn: every turn equal
             assert check["episodes_vllm"] == check["episodes_hf"], check["step"]
             assert any(not m for _, model in check["episodes_hf"] for m in model)  # feedback
     assert checks[-1]["hf"] != checks[0]["hf"]  # the policy (and so each sync) changed
     for row in out["history"]:
         assert row["weight_sync_s"] > 0
+        if "tools" in case:  # the model called the calculator, and it answered
+            assert row["agent_tool_calls"] > 0 and row["turns"] > 1, row
         assert row["engine_logprob_diff"] < 1e-4 and row["engine_logprob_diff_max"] < 1e-3, row
         if "is_correction" in extra:
             assert row["is_weight"] == pytest.approx(1.0, abs=1e-3)
@@ -121,13 +163,16 @@ def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
     ("hang", "the vLLM engine on rank 1 (generate) did not return within --vllm_timeout=20 s"),
     ("kill", "vLLM engine 0 (a process of its own, serving ranks 0-1) failed in generate: "
              "ConnectionError: its process (pid "),
+    ("kill_tp", "vLLM engine 0 (2 processes of its own, serving ranks 0-1) failed in generate: "
+                "ConnectionError: its process 1 (pid "),
     ("stop", "the vLLM engine 0 (a process of its own, serving ranks 0-1) (generate) did not "
              "return within --vllm_timeout=20 s"),
     ("die", None),
 ])
 def test_an_engine_that_fails_or_hangs_stops_every_rank_in_one_line(toy, fault, line):
     """Rank 1's engine raises, or hangs, in the second rollout, or (``--vllm_num_engines 1``)
-    the engine's own process is killed, or stopped (SIGSTOP: it hangs), there: the job ends (a
+    the engine's own process is killed (or the second of its two, tensor parallel), or stopped
+    (SIGSTOP: it hangs), there: the job ends (a
     hang after --vllm_timeout) with one line naming the engine, the call and the rank(s); or
     rank 0, which started the engine process, is killed there (the launcher then stops rank 1).
     The checkpoint saved before it is whole; no process of the job is left, the engine's
@@ -135,9 +180,12 @@ def test_an_engine_that_fails_or_hangs_stops_every_rank_in_one_line(toy, fault, 
     import glob
     import subprocess
 
-    extra = {"vllm_num_engines": 1} if fault in ("kill", "stop", "die") else {}
+    extra = {"vllm_num_engines": 1} if fault in ("kill", "kill_tp", "stop", "die") else {}
+    if fault == "kill_tp":  # two engine processes and two ranks starting on 2 cores: ~20 s
+        extra.update(vllm_tensor_parallel_size=2, vllm_timeout=60)
+    settings = {"save_steps": 1, "vllm_timeout": 20, "timeout": 240, **extra}  # 240: stuck
     job = _job(toy, fault, env={"VLLM_FAULT": f"{fault}:{0 if fault == 'die' else 1}"},
-               save_steps=1, vllm_timeout=20, timeout=240, **extra)  # a process left: stuck
+               **settings)
     output = job.stdout + job.stderr
     assert job.returncode != 0 and (line is None or line in output), output[-3000:]
     if line is not None:
@@ -272,8 +320,6 @@ def test_is_correction_equals_openrlhf_policy_loss(kind):
     ({"async_rollouts": 2}, "async_rollouts=2 is invalid: one rollout ahead at most here"),
     ({"vllm_num_engines": 3}, "vllm_num_engines=3 is invalid: each engine serves whole ranks, "
      "and the 2 ranks must split among 3 engines; use a divisor of 2"),
-    ({"vllm_num_engines": 1, "vllm_tensor_parallel_size": 2}, "vllm_num_engines=1 is invalid "
-     "with vllm_tensor_parallel_size=2: an engine in a process of its own runs on one device"),
     ({"rollout_engine": "hf", "vllm_num_engines": 1}, "vllm_num_engines=1 is invalid: it "
      "applies to --rollout_engine vllm"),
     ({"vllm_num_engines": -1}, "vllm_num_engines=-1 is invalid: use 0 (an engine in every "

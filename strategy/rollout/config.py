@@ -35,8 +35,10 @@ class RolloutConfig:
         "vLLM: release the engine's KV cache and weights while the update runs (sleep mode; "
         "CUDA only), woken for the next sync", False, trainers=ON_POLICY)
     vllm_tensor_parallel_size: int = doc(
-        "vLLM: consecutive ranks one engine spans, its weights split among them (1: an engine "
-        "on every rank; it divides the world size and the model's attention heads)", 1,
+        "vLLM: devices one engine spans, its weights split among them: colocated, that many "
+        "consecutive ranks (1: an engine on every rank; it divides the world size); with "
+        "--vllm_num_engines, each engine's processes, a device each; it divides the model's "
+        "attention heads", 1,
         trainers=ON_POLICY)
     vllm_num_engines: int = doc(
         "vLLM: engines in processes of their own, apart from the training ranks (OpenRLHF's "

@@ -34,7 +34,7 @@ def check_vllm_settings(config: RolloutConfig, world_size: int) -> None:
         raise ConfigError("vllm_enable_sleep=True is invalid: vLLM's sleep mode needs a CUDA "
                           "GPU; drop --vllm_enable_sleep")
     tp = config.vllm_tensor_parallel_size
-    if world_size % tp:
+    if world_size % tp and not config.vllm_num_engines:
         raise ConfigError(f"vllm_tensor_parallel_size={tp} is invalid: one engine spans that "
                           f"many ranks, and the {world_size} ranks must split into whole engines; "
                           f"use a divisor of {world_size}")
@@ -43,16 +43,13 @@ def check_vllm_settings(config: RolloutConfig, world_size: int) -> None:
 
 
 def check_engine_processes(config: RolloutConfig, world_size: int) -> None:
-    """``--vllm_num_engines N``: whole ranks per engine, one device each, or one line."""
+    """``--vllm_num_engines N``: whole ranks per engine, ``--vllm_tensor_parallel_size``
+    devices each, or one line."""
     n, tp = config.vllm_num_engines, config.vllm_tensor_parallel_size
     if world_size % n:
         raise ConfigError(f"vllm_num_engines={n} is invalid: each engine serves whole ranks, "
                           f"and the {world_size} ranks must split among {n} engines; use a "
                           f"divisor of {world_size}")
-    if tp > 1:
-        raise ConfigError(f"vllm_num_engines={n} is invalid with vllm_tensor_parallel_size={tp}: "
-                          "an engine in a process of its own runs on one device here; drop one "
-                          "of the two")
     if config.vllm_enable_sleep:
         raise ConfigError(f"vllm_enable_sleep=True is invalid with vllm_num_engines={n}: an "
                           "engine on a device of its own frees nothing for training; drop "
@@ -60,12 +57,13 @@ def check_engine_processes(config: RolloutConfig, world_size: int) -> None:
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         engines = max(local * n // world_size, 1)
-        have = torch.cuda.device_count()
-        if have < local + engines:
+        have, need = torch.cuda.device_count(), local + engines * tp
+        if have < need:
             raise ConfigError(f"vllm_num_engines={n} is invalid on this node: its {local} "
-                              f"training ranks and {engines} engines need {local + engines} "
-                              f"GPUs, it has {have}; use fewer engines or ranks, or "
-                              "--vllm_num_engines 0 (an engine in every rank)")
+                              f"training ranks and {engines} engines of {tp} GPUs "
+                              f"(--vllm_tensor_parallel_size) need {need} GPUs, it has {have}; "
+                              "use fewer engines, ranks or engine GPUs, or --vllm_num_engines 0 "
+                              "(an engine in every rank)")
 
 
 def check_engine_split(config: Any, tp: int) -> None:

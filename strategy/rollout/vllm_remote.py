@@ -4,18 +4,23 @@ consecutive ranks. It is ``VllmRollout`` across a process boundary: the same req
 streamed weights and faults, the engine answered over a local socket (``rollout.vllm_server``).
 
 - Start-up: the first rank of each engine writes its untied ``config.json``, starts the engine's
-  process (its own device: on CUDA the GPU after the node's training ones, ``CUDA_VISIBLE_DEVICES``;
-  on CPU the host) and waits for its line; every rank then connects to its engine (the address
-  and key shared through the training world). A start that fails is one line on every rank.
+  processes, one per device it spans (``--vllm_tensor_parallel_size``: a world of their own;
+  on CUDA the GPUs after the node's training ones, ``CUDA_VISIBLE_DEVICES``; on CPU the host)
+  and waits for each one's line; every rank then connects to its engine's first process (the
+  address and key shared through the training world). A start that fails is one line on every
+  rank.
 - ``sync``: every rank enters each export group's gather, as colocated; the engine's first rank
   sends each tensor down its socket, raw bytes after a header, and the engine streams them into
   vLLM's in-place reload (no rank, and not the engine, holds more than one group beyond vLLM's
-  copy). On CUDA the bytes go through host memory; an NCCL broadcast (OpenRLHF's) is not here.
+  copy); an engine of several processes broadcasts each tensor among them (NCCL on CUDA). From
+  the training ranks the bytes go through host memory; OpenRLHF's NCCL broadcast from rank 0
+  into the engines is not here.
 - ``generate``: each rank sends its own rows and seeds; the engine batches all its ranks' rows.
   With ``--async_rollouts 1`` the generation runs in the engine's process while the step trains.
-- Faults: an engine error, or its process ending, is one line on every rank naming the engine,
-  the call and the ranks it serves; a call that hangs past ``--vllm_timeout`` ends the rank, and
-  the engine ends with the rank that started it.
+- Faults: an engine error, or one of its processes ending, is one line on every rank naming the
+  engine, the call and the ranks it serves (the process that ended, where the starting rank
+  sees it); a call that hangs past ``--vllm_timeout`` ends the rank, and the engine ends with
+  the rank that started it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from contextlib import contextmanager
 from dataclasses import asdict
 from multiprocessing.connection import Client
@@ -40,7 +47,7 @@ from transformers import GenerationConfig
 from strategy.dist import checked, free_port
 from strategy.model import base_model
 from strategy.rollout.config import RolloutConfig
-from strategy.rollout.vllm_checks import check_head_size
+from strategy.rollout.vllm_checks import check_engine_split, check_head_size
 from strategy.rollout.vllm_engine import (
     EnginePeers,
     Requests,
@@ -57,24 +64,28 @@ LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")
 
 
-def engine_env(device: int | None) -> dict[str, str]:
-    """The engine process's environment: this one's without the training world's launcher
-    variables, a one-process world of its own, its device on CUDA (vLLM's own variables are
-    set in it by ``start_llm``, as in a rank)."""
+def engine_env(index: int, size: int, port: int, devices: list[int] | None) -> dict[str, str]:
+    """The environment of the engine's process ``index`` of ``size``: this one's without the
+    training world's launcher variables, a world of the engine's own on ``port``, its devices
+    on CUDA (vLLM's own variables are set in it by ``start_llm``, as in a rank)."""
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
-    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    if device is not None:
+    env.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(size),
+               LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if devices is not None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[device] if visible else str(device)
+        names = visible.split(",") if visible else [str(d) for d in range(max(devices) + 1)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(names[d] for d in devices)
     return env
 
 
-def engine_device(local_rank: int, local_world: int, per: int) -> int | None:
-    """The GPU of the engine whose first rank is ``local_rank``: those after the node's
-    training GPUs, one per engine (None on CPU)."""
-    return local_world + local_rank // per if torch.cuda.is_available() else None
+def engine_devices(local_rank: int, local_world: int, per: int, tp: int) -> list[int] | None:
+    """The GPUs of the engine whose first rank is ``local_rank``: ``tp`` of them after the
+    node's training GPUs and its engines before it (None on CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    first = local_world + local_rank // per * tp
+    return list(range(first, first + tp))
 
 
 def ready_line(process: subprocess.Popen) -> str:
@@ -85,6 +96,26 @@ def ready_line(process: subprocess.Popen) -> str:
             return line[len(MARK):].strip()
         sys.stderr.write(line)
     return ""
+
+
+def ready_lines(processes: list[subprocess.Popen]) -> list[str]:
+    """Each engine process's line (read side by side: a process may wait on another that
+    failed first, and that one's error is the line to give)."""
+    lines: list[str | None] = [None] * len(processes)
+    done = threading.Condition()
+
+    def read(index: int) -> None:
+        line = ready_line(processes[index])
+        with done:
+            lines[index] = line
+            done.notify()
+
+    for index in range(len(processes)):
+        threading.Thread(target=read, args=(index,), daemon=True).start()
+    with done:
+        done.wait_for(lambda: None not in lines or any(
+            line is not None and '"error"' in line or line == "" for line in lines))
+    return [line or "" for line in lines]
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -117,12 +148,13 @@ class RemoteVllmRollout(VllmRollout):
         self._peers = EnginePeers(1)  # each rank sends its own rows; the engine batches them
         model = base_model(self.source)
         check_head_size(model.config)
+        check_engine_split(model.config, config.vllm_tensor_parallel_size)
         directory = None  # the engine's config.json, written by the rank that starts it
         if self.rank == self.first:
             directory = tempfile.mkdtemp(prefix="strategy-vllm-")
             atexit.register(shutil.rmtree, directory, ignore_errors=True)
         self._tied = save_untied_config(model, directory)
-        self.process: subprocess.Popen | None = None
+        self.processes: list[subprocess.Popen] = []  # the engine's, on the rank that started it
         failed = engine_failure(self.describe, "start")
         started = checked(self._start, directory, max_model_len, seed, make=failed)
         addresses: list[Any] = [None] * torch.distributed.get_world_size()
@@ -132,8 +164,9 @@ class RemoteVllmRollout(VllmRollout):
         self._prepare_stream()
 
     def describe(self, rank: int) -> str:
-        first = rank - rank % self.per
-        return (f"vLLM engine {rank // self.per} (a process of its own, serving ranks "
+        first, tp = rank - rank % self.per, self.config.vllm_tensor_parallel_size
+        where = "a process of its own" if tp == 1 else f"{tp} processes of its own"
+        return (f"vLLM engine {rank // self.per} ({where}, serving ranks "
                 f"{first}-{first + self.per - 1})")
 
     def _start(self, directory: str | None, max_model_len: int, seed: int) -> dict | None:
@@ -147,21 +180,34 @@ class RemoteVllmRollout(VllmRollout):
         spec = {"dir": directory, "dtype": str(next(self.source.parameters()).dtype)[6:],
                 "rollout": asdict(self.config), "max_model_len": max_model_len, "seed": seed,
                 "clients": self.per, "authkey": key, "parent": os.getpid()}
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", "from strategy.rollout.vllm_server import main; main()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env=engine_env(engine_device(local_rank, local_world, self.per)))
-        atexit.register(stop, self.process)
-        self.process.stdin.write(json.dumps(spec) + "\n")
-        self.process.stdin.close()
+        tp, port = self.config.vllm_tensor_parallel_size, free_port()
+        devices = engine_devices(local_rank, local_world, self.per, tp)
+        for index in range(tp):
+            process = subprocess.Popen(
+                [sys.executable, "-c", "from strategy.rollout.vllm_server import main; main()"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                env=engine_env(index, tp, port, devices))
+            atexit.register(stop, process)
+            self.processes.append(process)
+            process.stdin.write(json.dumps(spec) + "\n")
+            process.stdin.close()
         with deadline(self.config.vllm_timeout, f"the {self.describe(self.rank)} (start)"):
-            line = ready_line(self.process)
-        reply = json.loads(line) if line else {
-            "error": f"its process exited with code {self.process.wait()} before it was ready"}
-        if "error" in reply:
-            raise RuntimeError(reply["error"])
-        return {"host": socket.gethostname(), "port": reply["port"], "key": key,
-                "pid": self.process.pid}
+            lines = ready_lines(self.processes)
+        replies = [json.loads(line) if line else {"error": self._ended(index) or ""}
+                   for index, line in enumerate(lines)]
+        for reply in replies:
+            if reply.get("error"):
+                raise RuntimeError(reply["error"])
+        return {"host": socket.gethostname(), "port": replies[0]["port"], "key": key,
+                "pids": [process.pid for process in self.processes]}
+
+    def _ended(self, index: int) -> str | None:
+        """Says so when the engine's process ``index`` has ended (the rank that started it)."""
+        process = self.processes[index]
+        if process.poll() is None:
+            return None
+        which = "its process" if len(self.processes) == 1 else f"its process {index}"
+        return f"{which} (pid {process.pid}) ended with exit code {process.returncode}"
 
     def _connect(self) -> Any:
         if self.address["host"] != socket.gethostname():
@@ -180,7 +226,18 @@ class RemoteVllmRollout(VllmRollout):
         try:
             yield
         except (EOFError, OSError) as exc:
-            raise ConnectionError(f"its process (pid {self.address['pid']}) ended") from exc
+            raise ConnectionError(self._lost() or f"its process (pid "
+                                  f"{self.address['pids'][0]}) ended") from exc
+
+    def _lost(self) -> str | None:
+        """Which of the engine's processes ended, where this rank started them (else None;
+        a process whose sockets just closed is given a moment to be seen ended)."""
+        for _ in range(20 if self.processes else 0):
+            lost = next(filter(None, map(self._ended, range(len(self.processes)))), None)
+            if lost:
+                return lost
+            time.sleep(0.1)
+        return None
 
     def _reply(self) -> Any:
         """The engine's answer to the last call, or its error raised here."""
@@ -188,6 +245,9 @@ class RemoteVllmRollout(VllmRollout):
             kind, value = self._conn.recv()
         if kind == "error":
             name, message = value
+            lost = self._lost()  # an engine process gone: that, not the error it caused
+            if lost:
+                raise ConnectionError(lost)
             raise type(name, (RuntimeError,), {})(message)  # the engine's error, as it named it
         return value
 

@@ -1,19 +1,23 @@
-"""A vLLM engine in a process of its own (``--vllm_num_engines``), serving the training ranks
+"""A vLLM engine in processes of its own (``--vllm_num_engines``), serving the training ranks
 that share it over local sockets. Started by the first of those ranks
 (``RemoteVllmRollout``), never by hand:
 
     python -c "from strategy.rollout.vllm_server import main; main()"   (settings on stdin)
 
-- Start-up: a one-process world of its own (vLLM's ``external_launcher`` in this process, on
-  the device its parent chose), the engine built from the ``config.json`` its parent wrote,
-  placeholder weights; then one JSON line on stdout after ``MARK``, ``{"port": P}`` (or
-  ``{"error": "..."}``),
-  and a connection accepted from each of its ranks (authenticated with the key it was given).
+- Start-up: a world of its own, one process per device the engine spans
+  (``--vllm_tensor_parallel_size``; vLLM's ``external_launcher`` in each, on the device its
+  parent chose), the engine built from the ``config.json`` its parent wrote, placeholder
+  weights; then each process prints one JSON line on stdout after ``MARK``: the first
+  ``{"port": P}``, the others ``{"ready": I}`` (or ``{"error": "..."}``). The first accepts a
+  connection from each of its ranks (authenticated with the key it was given).
 - Calls in lockstep: each call is read from every rank before it runs (the training ranks
-  call alike). ``generate``: every rank's rows in one batch, each rank answered its own tokens
-  and log-probs. ``sync``: the first rank streams the tensors (a header, then the raw bytes, one
-  tensor at a time) straight into vLLM's in-place reload; the others only wait for it. An error
-  is answered to every rank as one line, and the engine serves on.
+  call alike), and the first process hands it on to the others (``EngineGroup``: vLLM's
+  tensor-parallel ranks run the same calls). ``generate``: every rank's rows in one batch, each
+  rank answered its own tokens and log-probs. ``sync``: the first rank streams the tensors (a
+  header, then the raw bytes, one tensor at a time) straight into vLLM's in-place reload, the
+  first process broadcasting each to the others as it goes; the training ranks but the first
+  only wait for it. An error in any process is answered to every rank as one line, and the
+  engine serves on.
 - Lifetime: it ends when a rank closes its connection or dies (end of file), and with its
   parent (``PR_SET_PDEATHSIG``, set by the parent at start): no engine outlives its job.
 """
@@ -25,6 +29,7 @@ import json
 import os
 import signal
 import sys
+from datetime import timedelta
 from multiprocessing.connection import Connection, Listener
 from typing import Any, Iterator
 
@@ -37,6 +42,7 @@ from strategy.rollout.vllm_engine import run_requests, start_llm
 MARK = "[strategy vllm engine] "  # starts the line the parent waits for (imports may print)
 GENERATION_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
                    "eos_token_id", "pad_token_id")
+IDLE = timedelta(days=30)  # the engine's processes wait this long for the next call
 
 
 def generation_settings(generation_config: GenerationConfig) -> dict[str, Any]:
@@ -51,60 +57,142 @@ def send_tensor(conn: Connection, name: str, tensor: torch.Tensor) -> None:
     conn.send_bytes(flat.view(torch.uint8).numpy() if flat.numel() else b"")
 
 
-class TensorStream:
-    """The tensors ``send_tensor`` sent down ``conn``, up to the stream's end marker."""
+def one_line(exc: BaseException) -> tuple[str, str]:
+    """An error as the ranks are answered it: its type's name and first line."""
+    message = str(exc).strip().splitlines()
+    return type(exc).__name__, message[0][:300] if message else ""
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn, self.ended = conn, False
+
+class EngineGroup:
+    """The engine's processes, one per device it spans (``size``; a world of their own): the
+    first reads the training ranks' calls and hands each on to the others, which run it alike
+    (vLLM's tensor-parallel ranks must); a sync's tensors are broadcast to them as they arrive.
+    With one process every step is local."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.rank = size, torch.distributed.get_rank()
+        self.control = (torch.distributed.new_group(backend="gloo", timeout=IDLE)
+                        if size > 1 else None)
+
+    def share(self, value: Any = None) -> Any:
+        """The first process's ``value``, on every process."""
+        if self.size == 1:
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def tensor(self, header: tuple, data: torch.Tensor | None) -> torch.Tensor:
+        """The first process's tensor (``data`` there; ``header`` gives its dtype and shape)."""
+        if self.size == 1:
+            return data
+        _, _, dtype, shape = header
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if torch.cuda.is_available() else torch.device("cpu"))
+        out = (data.to(device) if data is not None
+               else torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+        torch.distributed.broadcast(out, src=0)  # the engine's world: NCCL on CUDA, else gloo
+        return out
+
+    def errors(self, error: tuple[str, str] | None) -> tuple[str, str] | None:
+        """The first error of any process in the call just run (every process alike)."""
+        if self.size == 1:
+            return error
+        seen: list[Any] = [None] * self.size
+        torch.distributed.all_gather_object(seen, error, group=self.control)
+        for index, found in enumerate(seen):
+            if found is not None:
+                return found if index == 0 else (found[0], f"in its process {index}: {found[1]}")
+        return None
+
+
+class TensorStream:
+    """A sync's tensors, up to the stream's end marker: those ``send_tensor`` sent down
+    ``conn`` (the first process, which broadcasts each to the others as it reads it), or, with
+    no ``conn``, the first process's broadcasts."""
+
+    def __init__(self, conn: Connection | None, group: EngineGroup) -> None:
+        self.conn, self.group, self.ended = conn, group, False
+
+    def _next(self) -> tuple[str, torch.Tensor] | None:
+        header = self.group.share(self.conn.recv() if self.conn is not None else None)
+        if header[0] == "end":
+            self.ended = True
+            return None
+        data = None
+        if self.conn is not None:
+            raw = self.conn.recv_bytes()
+            data = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw
+                    else torch.empty(0, dtype=torch.uint8))
+            data = data.view(getattr(torch, header[2])).reshape(header[3])
+        return header[1], self.group.tensor(header, data)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         while not self.ended:
-            header = self.conn.recv()
-            if header[0] == "end":
-                self.ended = True
-                return
-            _, name, dtype, shape = header
-            data = self.conn.recv_bytes()
-            raw = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
-                   else torch.empty(0, dtype=torch.uint8))
-            yield name, raw.view(getattr(torch, dtype)).reshape(shape)
+            item = self._next()
+            if item is not None:
+                yield item
 
     def drain(self) -> None:
         """Read what is left unread (a reload that failed part way), so the next call lines
-        up."""
+        up on every process."""
         while not self.ended:
-            header = self.conn.recv()
-            self.ended = header[0] == "end"
-            if not self.ended:
-                self.conn.recv_bytes()
+            self._next()
 
 
-def serve(llm: Any, conns: list[Connection]) -> None:
-    """Answer the ranks' calls until one of them closes."""
+def run_call(llm: Any, group: EngineGroup, call: tuple, conn: Connection | None) -> Any:
+    """One call on this process (``call`` as the first process shared it): a generation's
+    tokens and log-probs, or a sync from ``conn`` (the first process) or its broadcasts."""
+    if call[0] == "generate":
+        return run_requests(llm, call[1], call[2], GenerationConfig(**call[3]))
+    stream = TensorStream(conn, group)
+    try:
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(stream)})
+    finally:
+        stream.drain()
+    llm.reset_prefix_cache()
+    return None
+
+
+def serve(llm: Any, group: EngineGroup, conns: list[Connection]) -> None:
+    """The first process: answer the ranks' calls until one of them closes."""
     while True:
         try:
             calls = [conn.recv() for conn in conns]
         except (EOFError, OSError):
-            return
+            calls = [("close",)]
         kind = calls[0][0]
         if kind == "close" or any(call[0] != kind for call in calls):
+            try:
+                group.share(("close",))
+            except Exception:  # noqa: BLE001 - a process already gone: nothing to close
+                pass
             return
+        call = (kind,) if kind == "sync" else (
+            kind, [row for c in calls for row in c[1]], [seed for c in calls for seed in c[2]],
+            calls[0][3])  # every rank's rows in one batch
+        value, error = None, None
         try:
-            replies = {"generate": generate, "sync": reload}[kind](llm, calls, conns)
+            value = run_call(llm, group, group.share(call), conns[0])
         except Exception as exc:  # noqa: BLE001 - answered to every rank as one line
-            message = str(exc).strip().splitlines()
-            replies = [("error", (type(exc).__name__, message[0][:300] if message else ""))
-                       ] * len(conns)
-        for conn, reply in zip(conns, replies):
+            error = one_line(exc)
+        try:
+            error, lost = group.errors(error), False
+        except Exception as exc:  # noqa: BLE001 - a process of the engine gone: it ends
+            error, lost = error or one_line(exc), True
+        for conn, reply in zip(conns, answers(calls, value, error)):
             conn.send(reply)
+        if lost:
+            return
 
 
-def generate(llm: Any, calls: list[tuple], conns: list[Connection]) -> list[tuple]:
-    """Every rank's rows in one batch; each rank's tokens and log-probs back to it."""
-    prompts = [row for call in calls for row in call[1]]
-    seeds = [seed for call in calls for seed in call[2]]
-    tokens, logprobs = run_requests(llm, prompts, seeds, GenerationConfig(**calls[0][3]))
-    replies, start = [], 0
+def answers(calls: list[tuple], value: Any, error: tuple[str, str] | None) -> list[tuple]:
+    """Each rank's reply: the error, or its own rows of the generation (a sync: nothing)."""
+    if error is not None:
+        return [("error", error)] * len(calls)
+    if calls[0][0] == "sync":
+        return [("ok", None)] * len(calls)
+    (tokens, logprobs), replies, start = value, [], 0
     for call in calls:
         rows = slice(start, start + len(call[1]))
         replies.append(("ok", (tokens[rows], logprobs[rows])))
@@ -112,15 +200,18 @@ def generate(llm: Any, calls: list[tuple], conns: list[Connection]) -> list[tupl
     return replies
 
 
-def reload(llm: Any, calls: list[tuple], conns: list[Connection]) -> list[tuple]:
-    """The first rank's stream into vLLM's in-place reload, then the prefix cache reset."""
-    stream = TensorStream(conns[0])
-    try:
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(stream)})
-    finally:
-        stream.drain()
-    llm.reset_prefix_cache()
-    return [("ok", None)] * len(conns)
+def follow(llm: Any, group: EngineGroup) -> None:
+    """Every process but the first: run the calls the first hands on, until it closes."""
+    while True:
+        call = group.share()
+        if call[0] == "close":
+            return
+        error = None
+        try:
+            run_call(llm, group, call, None)
+        except Exception as exc:  # noqa: BLE001 - the first process answers it
+            error = one_line(exc)
+        group.errors(error)
 
 
 def die_with_parent(parent: int) -> None:
@@ -138,22 +229,33 @@ def main() -> None:
     die_with_parent(spec["parent"])
     replies = os.fdopen(os.dup(1), "w")  # stdout is the parent's line; vLLM's prints go to stderr
     os.dup2(2, 1)
+    first = int(os.environ.get("RANK", "0")) == 0
     try:
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                             timeout=IDLE)
         config = RolloutConfig(**spec["rollout"])
+        group = EngineGroup(config.vllm_tensor_parallel_size)
         llm = start_llm(spec["dir"], getattr(torch, spec["dtype"]), config,
                         spec["max_model_len"], spec["seed"])
-        listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(spec["authkey"]))
+        listener = (Listener(("127.0.0.1", 0), authkey=bytes.fromhex(spec["authkey"]))
+                    if first else None)
     except Exception as exc:  # noqa: BLE001 - the parent raises it as one line
         error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         print(MARK + json.dumps({"error": error}), file=replies, flush=True)
         os._exit(1)
-    print(MARK + json.dumps({"port": listener.address[1]}), file=replies, flush=True)
+    ready = {"port": listener.address[1]} if first else {"ready": group.rank}
+    print(MARK + json.dumps(ready), file=replies, flush=True)
+    if not first:
+        try:
+            follow(llm, group)
+        except Exception:  # noqa: BLE001 - the first process gone: its ranks say so
+            os._exit(1)
+        os._exit(0)
     conns: list[Any] = [None] * spec["clients"]
     for _ in conns:
         conn = listener.accept()
         conns[conn.recv()] = conn
-    serve(llm, conns)
+    serve(llm, group, conns)
     os._exit(0)  # the engine's threads are not joined: its process ends with its ranks
 
 

@@ -11,7 +11,8 @@ OUT.json: the history, each check's completions, and the final metrics.
 
 ``VLLM_FAULT=raise:R`` or ``hang:R``: rank R's engine raises, or never returns, in its third
 ``generate`` (the second rollout's, after the first step's checkpoint; the fault tests);
-``kill:R`` (``--vllm_num_engines``): rank R kills its engine's process there instead;
+``kill:R`` or ``kill_tp:R`` (``--vllm_num_engines``): rank R kills its engine's (last) process
+there instead;
 ``die:R``: rank R is killed there itself (SIGKILL: no handler of its runs).
 """
 
@@ -66,7 +67,7 @@ def inject(rollouts, rank: int) -> None:
     kind, _, where = os.environ.get("VLLM_FAULT", "").partition(":")
     if not kind or int(where) != rank:
         return
-    if kind in ("kill", "stop", "die"):  # the engine's process, or the rank itself
+    if kind in ("kill", "kill_tp", "stop", "die"):  # the engine's process, or the rank itself
         owner, name = rollouts, "_generate"
     else:
         owner, name = rollouts.llm, "generate"
@@ -76,8 +77,9 @@ def inject(rollouts, rank: int) -> None:
         calls.append(1)
         if len(calls) == 3 and kind == "raise":
             raise RuntimeError("injected engine failure")
-        if len(calls) == 3 and kind in ("kill", "stop"):  # it ends, or hangs
-            os.kill(rollouts.address["pid"], signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        if len(calls) == 3 and kind in ("kill", "kill_tp", "stop"):  # it ends, or hangs
+            os.kill(rollouts.address["pids"][-1],
+                    signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
             time.sleep(1)
         elif len(calls) == 3 and kind == "die":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -105,7 +107,9 @@ def main() -> None:
                 json.dump({"history": trainer.history, "final": final, "checks": trainer.checks,
                            "engine": type(trainer.rollouts).__name__,
                            "engine_ranks": trainer.rollouts.per if remote
-                           else get_tensor_model_parallel_world_size()}, f)
+                           else get_tensor_model_parallel_world_size(),
+                           "engine_processes": len(trainer.rollouts.processes) if remote
+                           else 0}, f)
 
 
 if __name__ == "__main__":
