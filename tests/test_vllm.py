@@ -107,8 +107,8 @@ def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
     """After each of 4 updates the vLLM engine, synced from the training engine (ZeRO-2 with
     tied word embeddings and one engine spanning both ranks, ZeRO-3 partitioned, LoRA merged on
     the fly, those two an engine per rank, and ZeRO-3 tied with one engine of two processes of
-    its own, tensor parallel, serving both ranks, its weights sent over the socket and broadcast
-    between its processes), gives the held-out
+    its own, tensor parallel, serving both ranks, its weights broadcast from rank 0 to both
+    processes over a process group of their own), gives the held-out
     prompts' greedy completions the policy's own module gives; the policy moved meanwhile (so
     each sync is checked, not only the first); each rollout logs its sync time and the engine's
     log-probs beside the trainer's (a few 1e-6 apart in fp32); the correction's weights are ~1

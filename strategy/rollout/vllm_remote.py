@@ -10,11 +10,10 @@ streamed weights and faults, the engine answered over a local socket (``rollout.
   address and key shared through the training world). A start that fails is one line on every
   rank.
 - ``sync``: every rank enters each export group's gather, as colocated; the engine's first rank
-  sends each tensor down its socket, raw bytes after a header, and the engine streams them into
-  vLLM's in-place reload (no rank, and not the engine, holds more than one group beyond vLLM's
-  copy); an engine of several processes broadcasts each tensor among them (NCCL on CUDA). From
-  the training ranks the bytes go through host memory; OpenRLHF's NCCL broadcast from rank 0
-  into the engines is not here.
+  sends each tensor's header down its socket and broadcasts the tensor to all the engine's
+  processes at once over a process group of their own (``weight_group``: NCCL on CUDA, device to
+  device, as OpenRLHF's; gloo on CPU), and each streams it into vLLM's in-place reload (no
+  rank, and not the engine, holds more than one group beyond vLLM's copy).
 - ``generate``: each rank sends its own rows and seeds; the engine batches all its ranks' rows.
   With ``--async_rollouts 1`` the generation runs in the engine's process while the step trains.
 - Faults: an engine error, or one of its processes ending, is one line on every rank naming the
@@ -57,7 +56,7 @@ from strategy.rollout.vllm_engine import (
     save_untied_config,
     with_completions,
 )
-from strategy.rollout.vllm_server import MARK, generation_settings, send_tensor
+from strategy.rollout.vllm_server import MARK, generation_settings, send_tensor, weight_group
 
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_PORT",
@@ -155,6 +154,7 @@ class RemoteVllmRollout(VllmRollout):
             atexit.register(shutil.rmtree, directory, ignore_errors=True)
         self._tied = save_untied_config(model, directory)
         self.processes: list[subprocess.Popen] = []  # the engine's, on the rank that started it
+        self._group: Any = None  # the sync's process group with them, there
         failed = engine_failure(self.describe, "start")
         started = checked(self._start, directory, max_model_len, seed, make=failed)
         addresses: list[Any] = [None] * torch.distributed.get_world_size()
@@ -181,6 +181,7 @@ class RemoteVllmRollout(VllmRollout):
                 "rollout": asdict(self.config), "max_model_len": max_model_len, "seed": seed,
                 "clients": self.per, "authkey": key, "parent": os.getpid()}
         tp, port = self.config.vllm_tensor_parallel_size, free_port()
+        spec["weights_port"] = free_port()
         devices = engine_devices(local_rank, local_world, self.per, tp)
         for index in range(tp):
             process = subprocess.Popen(
@@ -198,6 +199,8 @@ class RemoteVllmRollout(VllmRollout):
         for reply in replies:
             if reply.get("error"):
                 raise RuntimeError(reply["error"])
+        with deadline(self.config.vllm_timeout, f"the {self.describe(self.rank)} (start)"):
+            self._group = weight_group(spec["weights_port"], 0, tp + 1, self.config.vllm_timeout)
         return {"host": socket.gethostname(), "port": replies[0]["port"], "key": key,
                 "pids": [process.pid for process in self.processes]}
 
@@ -228,6 +231,11 @@ class RemoteVllmRollout(VllmRollout):
         except (EOFError, OSError) as exc:
             raise ConnectionError(self._lost() or f"its process (pid "
                                   f"{self.address['pids'][0]}) ended") from exc
+        except RuntimeError as exc:  # the sync's group: a process gone is what to say
+            lost = self._lost()
+            if lost:
+                raise ConnectionError(lost) from exc
+            raise
 
     def _lost(self) -> str | None:
         """Which of the engine's processes ended, where this rank started them (else None;
@@ -257,7 +265,7 @@ class RemoteVllmRollout(VllmRollout):
         for name, tensor in self._weights():  # every rank enters every gather
             if self.rank == self.first:
                 with self._link():
-                    send_tensor(self._conn, name, tensor)
+                    send_tensor(self._conn, self._group, name, tensor)
         if self.rank == self.first:
             with self._link():
                 self._conn.send(("end",))

@@ -13,11 +13,12 @@ that share it over local sockets. Started by the first of those ranks
 - Calls in lockstep: each call is read from every rank before it runs (the training ranks
   call alike), and the first process hands it on to the others (``EngineGroup``: vLLM's
   tensor-parallel ranks run the same calls). ``generate``: every rank's rows in one batch, each
-  rank answered its own tokens and log-probs. ``sync``: the first rank streams the tensors (a
-  header, then the raw bytes, one tensor at a time) straight into vLLM's in-place reload, the
-  first process broadcasting each to the others as it goes; the training ranks but the first
-  only wait for it. An error in any process is answered to every rank as one line, and the
-  engine serves on.
+  rank answered its own tokens and log-probs. ``sync``: the first rank sends each tensor's
+  header down its socket and broadcasts the tensor itself to every engine process at once, over
+  a process group of its own with them (``weight_group``: NCCL on CUDA, device to device; gloo
+  on CPU), each process streaming it straight into vLLM's in-place reload; the training ranks
+  but the first only wait for it. An error in any process is answered to every rank as one
+  line, and the engine serves on.
 - Lifetime: it ends when a rank closes its connection or dies (end of file), and with its
   parent (``PR_SET_PDEATHSIG``, set by the parent at start): no engine outlives its job.
 """
@@ -50,11 +51,35 @@ def generation_settings(generation_config: GenerationConfig) -> dict[str, Any]:
     return {key: getattr(generation_config, key, None) for key in GENERATION_KEYS}
 
 
-def send_tensor(conn: Connection, name: str, tensor: torch.Tensor) -> None:
-    """One tensor down ``conn``: its header, then its bytes (no pickling of the data)."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    conn.send(("tensor", name, str(flat.dtype).removeprefix("torch."), list(tensor.shape)))
-    conn.send_bytes(flat.view(torch.uint8).numpy() if flat.numel() else b"")
+def wire_device() -> torch.device:
+    """Where a synced tensor travels: this process's GPU (NCCL), else host memory (gloo)."""
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
+
+
+def weight_group(port: int, rank: int, size: int, seconds: float) -> Any:
+    """The sync's process group: the engine's first training rank (0, which holds the store
+    on ``port``) and the engine's processes (1..), apart from either side's own world."""
+    timeout = timedelta(seconds=seconds)
+    store = torch.distributed.TCPStore("127.0.0.1", port, size, is_master=rank == 0,
+                                       timeout=timeout, wait_for_workers=False)
+    if torch.cuda.is_available():
+        return torch.distributed.ProcessGroupNCCL(store, rank, size)
+    return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def broadcast(group: Any, tensor: torch.Tensor) -> None:
+    """``tensor`` from the group's rank 0 (the training rank) to every engine process."""
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def send_tensor(conn: Connection, group: Any, name: str, tensor: torch.Tensor) -> None:
+    """One tensor to the engine: its header down ``conn``, the tensor over ``group``."""
+    data = tensor.detach().to(wire_device()).contiguous()
+    conn.send(("tensor", name, str(data.dtype).removeprefix("torch."), list(data.shape)))
+    broadcast(group, data)
 
 
 def one_line(exc: BaseException) -> tuple[str, str]:
@@ -66,13 +91,14 @@ def one_line(exc: BaseException) -> tuple[str, str]:
 class EngineGroup:
     """The engine's processes, one per device it spans (``size``; a world of their own): the
     first reads the training ranks' calls and hands each on to the others, which run it alike
-    (vLLM's tensor-parallel ranks must); a sync's tensors are broadcast to them as they arrive.
-    With one process every step is local."""
+    (vLLM's tensor-parallel ranks must). With one process every step is local. ``weights``: the
+    sync's group with the training rank (``weight_group``), made once all are ready."""
 
     def __init__(self, size: int) -> None:
         self.size, self.rank = size, torch.distributed.get_rank()
         self.control = (torch.distributed.new_group(backend="gloo", timeout=IDLE)
                         if size > 1 else None)
+        self.weights: Any = None
 
     def share(self, value: Any = None) -> Any:
         """The first process's ``value``, on every process."""
@@ -82,16 +108,11 @@ class EngineGroup:
         torch.distributed.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
-    def tensor(self, header: tuple, data: torch.Tensor | None) -> torch.Tensor:
-        """The first process's tensor (``data`` there; ``header`` gives its dtype and shape)."""
-        if self.size == 1:
-            return data
+    def tensor(self, header: tuple) -> torch.Tensor:
+        """The training rank's tensor that ``header`` announced (its dtype and shape)."""
         _, _, dtype, shape = header
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if torch.cuda.is_available() else torch.device("cpu"))
-        out = (data.to(device) if data is not None
-               else torch.empty(shape, dtype=getattr(torch, dtype), device=device))
-        torch.distributed.broadcast(out, src=0)  # the engine's world: NCCL on CUDA, else gloo
+        out = torch.empty(shape, dtype=getattr(torch, dtype), device=wire_device())
+        broadcast(self.weights, out)
         return out
 
     def errors(self, error: tuple[str, str] | None) -> tuple[str, str] | None:
@@ -107,9 +128,9 @@ class EngineGroup:
 
 
 class TensorStream:
-    """A sync's tensors, up to the stream's end marker: those ``send_tensor`` sent down
-    ``conn`` (the first process, which broadcasts each to the others as it reads it), or, with
-    no ``conn``, the first process's broadcasts."""
+    """A sync's tensors, up to the stream's end marker, as ``send_tensor`` sent them: each
+    header read from ``conn`` by the first process (handed on to the others), each tensor
+    broadcast to all of them."""
 
     def __init__(self, conn: Connection | None, group: EngineGroup) -> None:
         self.conn, self.group, self.ended = conn, group, False
@@ -119,13 +140,7 @@ class TensorStream:
         if header[0] == "end":
             self.ended = True
             return None
-        data = None
-        if self.conn is not None:
-            raw = self.conn.recv_bytes()
-            data = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw
-                    else torch.empty(0, dtype=torch.uint8))
-            data = data.view(getattr(torch, header[2])).reshape(header[3])
-        return header[1], self.group.tensor(header, data)
+        return header[1], self.group.tensor(header)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         while not self.ended:
@@ -245,6 +260,11 @@ def main() -> None:
         os._exit(1)
     ready = {"port": listener.address[1]} if first else {"ready": group.rank}
     print(MARK + json.dumps(ready), file=replies, flush=True)
+    try:  # with the training rank, once it has read every process's line
+        group.weights = weight_group(spec["weights_port"], group.rank + 1, group.size + 1,
+                                     config.vllm_timeout)
+    except Exception:  # noqa: BLE001 - its training rank gone, or failed: it says so
+        os._exit(1)
     if not first:
         try:
             follow(llm, group)
