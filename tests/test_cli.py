@@ -231,8 +231,8 @@ def test_dotted_flags_set_the_same_settings_through_a_real_parse():
         3, True, "fused_adam", 2, 4, 0.2, 0.28)
     assert vars(_our_parser("sft").parse_args(dotted_argv(["--train.max_epochs", "2"], "sft")))[
         "max_epochs"] == 2
-    line = _one_line([sys.executable, "-m", "strategy.cli.train_grpo", "--vllm.num_engines", "2"])
-    assert line.startswith("error: --vllm.num_engines (OpenRLHF's) is not supported here")
+    line = _one_line([sys.executable, "-m", "strategy.cli.train_grpo", "--vllm.sync_with_ray"])
+    assert line.startswith("error: --vllm.sync_with_ray (OpenRLHF's) is not supported here")
 
 
 # ------------------------------------------------------------ --packing_samples: OpenRLHF's

@@ -391,7 +391,8 @@ def _expand(argv: list[str]) -> list[str]:
 
 
 def test_openrlhf_vllm_flags_set_ours():
-    """OpenRLHF's ``--vllm.*`` engine flags and ``--algo.advantage.is_correction_*`` set the
+    """OpenRLHF's ``--vllm.*`` engine flags (``num_engines``: engines on devices of their own, as
+    OpenRLHF's without ``--train.colocate_all``) and ``--algo.advantage.is_correction_*`` set the
     same settings here (its default correction type tis; a type alone turns it on)."""
     from strategy.cli.dotted import dotted_argv
     from strategy.config import parse_configs
@@ -399,10 +400,12 @@ def test_openrlhf_vllm_flags_set_ours():
 
     argv = dotted_argv(["--rollout_engine", "vllm", "--vllm.gpu_memory_utilization", "0.5",
                         "--vllm.enforce_eager", "--algo.advantage.is_correction_enable",
-                        "--algo.advantage.is_correction_threshold", "0.4", "3"], "grpo")
+                        "--algo.advantage.is_correction_threshold", "0.4", "3",
+                        "--vllm.num_engines", "2", "--vllm.tensor_parallel_size", "4"], "grpo")
     (config,), _ = parse_configs([RolloutConfig], argv)
     assert (config.vllm_gpu_memory_utilization, config.vllm_enforce_eager, config.is_correction,
-            config.is_correction_threshold) == (0.5, True, "tis", (0.4, 3.0))
+            config.is_correction_threshold, config.vllm_num_engines,
+            config.vllm_tensor_parallel_size) == (0.5, True, "tis", (0.4, 3.0), 2, 4)
     argv = dotted_argv(["--rollout_engine", "vllm", "--algo.advantage.is_correction_type",
                         "icepop"], "grpo")
     assert parse_configs([RolloutConfig], argv)[0][0].is_correction == "icepop"

@@ -183,6 +183,8 @@ DOTTED: dict[str, tuple[str, ...]] = {
     "vllm.enable_sleep": ("--vllm_enable_sleep",),
     "vllm.gpu_memory_utilization": ("--vllm_gpu_memory_utilization", "{}"),
     "vllm.tensor_parallel_size": ("--vllm_tensor_parallel_size", "{}"),
+    # engines on GPUs of their own (no --train.colocate_all), each of tensor_parallel_size GPUs
+    "vllm.num_engines": ("--vllm_num_engines", "{}"),
     # OpenRLHF's default type is tis; a type flag alone turns the correction on here
     "algo.advantage.is_correction_enable": ("--is_correction", "tis"),
     "algo.advantage.is_correction_type": ("--is_correction", "{}"),
@@ -207,8 +209,8 @@ PER_PARSER: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 _RAY = "Ray placement: launch with deepspeed/torchrun/`strategy <trainer> --nproc N` instead"
-_VLLM = ("vLLM engines here run in every rank (--rollout_engine vllm) or in N processes of "
-         "their own (--vllm_num_engines N), their weights synced without Ray")
+_VLLM = ("vLLM engines here run in every rank (--rollout_engine vllm) or on devices of their own "
+         "(--vllm_num_engines N), their weights synced without Ray")
 _MUON = "Muon is not here; --optimizer fused_adam, cpu_adam or hybrid_adam (Adam)"
 _VLM = "vision-language training is not here; text prompts only"
 _ASYNC = ("partial rollouts are not here: a rollout is generated whole, on the weights of one "
@@ -298,8 +300,8 @@ REFUSED: dict[str, str] = {
     "train.colocate_critic_reward": _RAY + " (every model here shares each rank)",
     "train.colocate_all": _RAY + " (every model here shares each rank)",
     # ---- vLLM
-    "vllm.num_engines": _VLLM,
-    "vllm.sync_backend": _VLLM,
+    "vllm.sync_backend": ("engines of their own are synced over NCCL on CUDA and gloo on CPU, "
+                          "chosen by the device; drop it"),
     "vllm.sync_with_ray": _VLLM,
     "vllm.enable_prefix_caching": "our vLLM engines always cache prefixes; drop it",
     "rollout.vllm_generate_batch_size": _VLLM,
