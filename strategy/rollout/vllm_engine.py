@@ -314,17 +314,29 @@ class VllmRollout:
         self.logprobs: list[list[float]] | None = None  # the last generate's, per row
         self._asleep = False
 
-    def _weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _weights(self, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's tensors by name, one gathered group at a time (a collective on every
-        rank: each rank's vLLM consumes its own stream in the same order)."""
+        rank: each rank's vLLM consumes its own stream in the same order). ``copy``: each
+        group copied and released before it is handed on (a colocated vLLM buffers a layer
+        until it is complete); without, each tensor is handed on while gathered, for a consumer
+        done with it before it asks for the next (a broadcast)."""
         for group in self._groups:
             with gathered_params([p for unit in group for p in unit.params], self._owner):
-                tensors = [(name, tensor.detach().clone()) for unit in group
+                tensors = [(name, tensor.detach()) for unit in group
                            for name, tensor in unit.produce().items()]
-            for name, tensor in tensors:  # copies: vLLM buffers a layer until it is complete
-                yield name, tensor
-                if name in self._tied:  # the output layer, untied in the engine
-                    yield self._tied[name], tensor
+                if not copy:
+                    yield from self._untied(tensors)
+                    continue
+                tensors = [(name, tensor.clone()) for name, tensor in tensors]
+            yield from self._untied(tensors)
+
+    def _untied(self, tensors: list[tuple[str, torch.Tensor]]
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each tensor, and a tied input embedding again as the engine's own output layer."""
+        for name, tensor in tensors:
+            yield name, tensor
+            if name in self._tied:
+                yield self._tied[name], tensor
 
     def _call(self, name: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, an engine call every rank makes alike: an error on any rank raised on all of

@@ -262,7 +262,8 @@ class RemoteVllmRollout(VllmRollout):
     def _sync(self) -> None:
         with self._link():
             self._conn.send(("sync",))
-        for name, tensor in self._weights():  # every rank enters every gather
+        for name, tensor in self._weights(copy=False):  # every rank enters every gather; the
+            # broadcast is done with each tensor before the next: no copies
             if self.rank == self.first:
                 with self._link():
                     send_tensor(self._conn, self._group, name, tensor)
