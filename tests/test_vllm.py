@@ -200,6 +200,28 @@ def test_an_engine_that_fails_or_hangs_stops_every_rank_in_one_line(toy, fault, 
 
 @needs_vllm
 @pytest.mark.slow
+def test_an_engine_that_cannot_start_is_one_line_on_every_rank(toy):
+    """An engine of its own of two processes whose start fails inside vLLM (a KV cache larger
+    than the host's memory): every rank ends before any step with one line naming the engine
+    and vLLM's reason; no process of the job is left."""
+    import subprocess
+
+    job = _job(toy, "no_start", vllm_num_engines=1, vllm_tensor_parallel_size=2,
+               vllm_cpu_kv_cache_gb=100_000, vllm_timeout=120, timeout=300)
+    output = job.stdout + job.stderr
+    line = ("vLLM engine 0 (2 processes of its own, serving ranks 0-1) failed in start: "
+            "ValueError: Available memory on node")
+    assert job.returncode != 0 and line in output, output[-3000:]
+    shown = [x for x in output.splitlines() if line in x]
+    assert len(shown) == 2 and "Traceback" not in "\n".join(shown)  # each rank's one line
+    assert not (toy / "no_start" / "logs" / "metrics.jsonl").read_text()  # no step ran
+    for pattern in (f"vllm_grpo.py {toy / 'no_start'}", "strategy.rollout.vllm_server import"):
+        left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+        assert not left.strip(), (pattern, left)
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_distillation_samples_on_vllm_as_on_hf(toy):
     """``strategy distill --rollout_engine vllm``: on-policy steps (``--lmbda 1``) sampled by the
     vLLM engine at a temperature below vLLM's greedy threshold (1e-5) train the student as the

@@ -97,9 +97,10 @@ def ready_line(process: subprocess.Popen) -> str:
     return ""
 
 
-def ready_lines(processes: list[subprocess.Popen]) -> list[str]:
-    """Each engine process's line (read side by side: a process may wait on another that
-    failed first, and that one's error is the line to give)."""
+def ready_lines(processes: list[subprocess.Popen]) -> list[str | None]:
+    """Each engine process's line, '' where it ended first (read side by side: a process may
+    wait on another that failed first, and that one's error is the line to give; once one has
+    failed, those not yet read are None)."""
     lines: list[str | None] = [None] * len(processes)
     done = threading.Condition()
 
@@ -114,7 +115,12 @@ def ready_lines(processes: list[subprocess.Popen]) -> list[str]:
     with done:
         done.wait_for(lambda: None not in lines or any(
             line is not None and '"error"' in line or line == "" for line in lines))
-    return [line or "" for line in lines]
+    return list(lines)
+
+
+def engine_error(name: str, message: str) -> RuntimeError:
+    """The engine's error (its type's name and first line), raised here as it named it."""
+    return type(name, (RuntimeError,), {})(message)
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -194,11 +200,14 @@ class RemoteVllmRollout(VllmRollout):
             process.stdin.close()
         with deadline(self.config.vllm_timeout, f"the {self.describe(self.rank)} (start)"):
             lines = ready_lines(self.processes)
-        replies = [json.loads(line) if line else {"error": self._ended(index) or ""}
-                   for index, line in enumerate(lines)]
-        for reply in replies:
-            if reply.get("error"):
-                raise RuntimeError(reply["error"])
+        replies = [json.loads(line) if line else {} for line in lines]
+        for reply in replies:  # a process's own error first: the others may have waited on it
+            if "error" in reply:
+                raise engine_error(*reply["error"])
+        for index, line in enumerate(lines):
+            if line == "":
+                raise RuntimeError(f"its process {index} exited with code "
+                                   f"{self.processes[index].wait()} before it was ready")
         with deadline(self.config.vllm_timeout, f"the {self.describe(self.rank)} (start)"):
             self._group = weight_group(spec["weights_port"], 0, tp + 1, self.config.vllm_timeout)
         return {"host": socket.gethostname(), "port": replies[0]["port"], "key": key,
@@ -252,11 +261,10 @@ class RemoteVllmRollout(VllmRollout):
         with self._link():
             kind, value = self._conn.recv()
         if kind == "error":
-            name, message = value
             lost = self._lost()  # an engine process gone: that, not the error it caused
             if lost:
                 raise ConnectionError(lost)
-            raise type(name, (RuntimeError,), {})(message)  # the engine's error, as it named it
+            raise engine_error(*value)
         return value
 
     def _sync(self) -> None:

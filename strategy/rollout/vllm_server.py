@@ -8,8 +8,8 @@ that share it over local sockets. Started by the first of those ranks
   (``--vllm_tensor_parallel_size``; vLLM's ``external_launcher`` in each, on the device its
   parent chose), the engine built from the ``config.json`` its parent wrote, placeholder
   weights; then each process prints one JSON line on stdout after ``MARK``: the first
-  ``{"port": P}``, the others ``{"ready": I}`` (or ``{"error": "..."}``). The first accepts a
-  connection from each of its ranks (authenticated with the key it was given).
+  ``{"port": P}``, the others ``{"ready": I}`` (or ``{"error": [type, message]}``). The first
+  accepts a connection from each of its ranks (authenticated with the key it was given).
 - Calls in lockstep: each call is read from every rank before it runs (the training ranks
   call alike), and the first process hands it on to the others (``EngineGroup``: vLLM's
   tensor-parallel ranks run the same calls). ``generate``: every rank's rows in one batch, each
@@ -255,8 +255,7 @@ def main() -> None:
         listener = (Listener(("127.0.0.1", 0), authkey=bytes.fromhex(spec["authkey"]))
                     if first else None)
     except Exception as exc:  # noqa: BLE001 - the parent raises it as one line
-        error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        print(MARK + json.dumps({"error": error}), file=replies, flush=True)
+        print(MARK + json.dumps({"error": one_line(exc)}), file=replies, flush=True)
         os._exit(1)
     ready = {"port": listener.address[1]} if first else {"ready": group.rank}
     print(MARK + json.dumps(ready), file=replies, flush=True)
