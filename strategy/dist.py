@@ -344,7 +344,7 @@ def raise_if_any_failed(error: BaseException | None, make: Callable[[int, str], 
                         detail: str = "") -> None:
     """Collective: when some rank passes an error, every rank raises ``make(rank, message)`` for the
     lowest such rank, the message (its error's first line, plus ``detail``) made on that rank."""
-    described = None if error is None else f"{type(error).__name__}: {_first_line(error)}{detail}"
+    described = None if error is None else f"{type(error).__name__}: {first_line(error)}{detail}"
     failed = first_error(described)
     if failed is not None:
         raise make(*failed) from error
@@ -365,7 +365,8 @@ def checked(fn: Callable, *args: Any,
     return value
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """An error's message as one line (its first, at most 300 characters)."""
     lines = str(error).strip().splitlines()
     return lines[0][:300] if lines else ""
 

@@ -178,7 +178,6 @@ def test_an_engine_that_fails_or_hangs_stops_every_rank_in_one_line(toy, fault, 
     The checkpoint saved before it is whole; no process of the job is left, the engine's
     included (a stopped one too)."""
     import glob
-    import subprocess
 
     extra = {"vllm_num_engines": 1} if fault in ("kill", "kill_tp", "stop", "die") else {}
     if fault == "kill_tp":  # two engine processes and two ranks starting on 2 cores: ~20 s
@@ -193,9 +192,7 @@ def test_an_engine_that_fails_or_hangs_stops_every_rank_in_one_line(toy, fault, 
     saved = glob.glob(str(toy / fault / "ckpt" / "*" / "latest")) or glob.glob(
         str(toy / fault / "ckpt" / "latest"))
     assert saved, sorted(glob.glob(str(toy / fault / "ckpt" / "**"), recursive=True))[:10]
-    for pattern in (f"vllm_grpo.py {toy / fault}", "strategy.rollout.vllm_server import main"):
-        left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-        assert not left.strip(), (pattern, left)
+    _nothing_left(toy, fault)
 
 
 @needs_vllm
@@ -204,7 +201,6 @@ def test_an_engine_that_cannot_start_is_one_line_on_every_rank(toy):
     """An engine of its own of two processes whose start fails inside vLLM (a KV cache larger
     than the host's memory): every rank ends before any step with one line naming the engine
     and vLLM's reason; no process of the job is left."""
-    import subprocess
 
     job = _job(toy, "no_start", vllm_num_engines=1, vllm_tensor_parallel_size=2,
                vllm_cpu_kv_cache_gb=100_000, vllm_timeout=120, timeout=300)
@@ -215,7 +211,14 @@ def test_an_engine_that_cannot_start_is_one_line_on_every_rank(toy):
     shown = [x for x in output.splitlines() if line in x]
     assert len(shown) == 2 and "Traceback" not in "\n".join(shown)  # each rank's one line
     assert not (toy / "no_start" / "logs" / "metrics.jsonl").read_text()  # no step ran
-    for pattern in (f"vllm_grpo.py {toy / 'no_start'}", "strategy.rollout.vllm_server import"):
+    _nothing_left(toy, "no_start")
+
+
+def _nothing_left(root, name: str) -> None:
+    """No process of the job ``name`` is left: its ranks, or an engine process of theirs."""
+    import subprocess
+
+    for pattern in (f"vllm_grpo.py {root / name}", "strategy.rollout.vllm_server import main"):
         left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
         assert not left.strip(), (pattern, left)
 

@@ -249,7 +249,9 @@ class RemoteVllmRollout(VllmRollout):
     def _lost(self) -> str | None:
         """Which of the engine's processes ended, where this rank started them (else None;
         a process whose sockets just closed is given a moment to be seen ended)."""
-        for _ in range(20 if self.processes else 0):
+        if not self.processes:
+            return None
+        for _ in range(20):
             lost = next(filter(None, map(self._ended, range(len(self.processes)))), None)
             if lost:
                 return lost

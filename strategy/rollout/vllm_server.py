@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import torch
 from transformers import GenerationConfig
 
+from strategy.dist import first_line
 from strategy.rollout.config import RolloutConfig
 from strategy.rollout.vllm_engine import run_requests, start_llm
 
@@ -84,8 +85,7 @@ def send_tensor(conn: Connection, group: Any, name: str, tensor: torch.Tensor) -
 
 def one_line(exc: BaseException) -> tuple[str, str]:
     """An error as the ranks are answered it: its type's name and first line."""
-    message = str(exc).strip().splitlines()
-    return type(exc).__name__, message[0][:300] if message else ""
+    return type(exc).__name__, first_line(exc)
 
 
 class EngineGroup:
