@@ -7,7 +7,13 @@ message is one line that names the field, file or rank and says what to do.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NoReturn
+
+# bitsandbytes, imported by peft and transformers in every run, warns at import on AVX512-BF16
+# CPUs that an optional kernel package is missing: a line above everything a run prints, its
+# one-line errors too. It matters to 4-bit runs alone, where ``strategy.quant`` says it.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 class StrategyError(Exception):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import BitsAndBytesConfig
 
+from strategy.dist import print0
 from strategy.errors import fail
 
 
@@ -76,7 +77,17 @@ def prepare_four_bit(model: nn.Module, gradient_checkpointing: bool) -> nn.Modul
     """
     from peft import prepare_model_for_kbit_training  # 4-bit runs only (peft loads bnb, ~1 s)
 
+    note_missing_kernels()
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+
+
+def note_missing_kernels() -> None:
+    """The note bitsandbytes would print at import on an AVX512-BF16 CPU (silenced there, in
+    ``strategy.errors``, for every run that is not 4-bit), said once by a 4-bit run."""
+    if (not torch.cuda.is_available() and importlib.util.find_spec("kernels") is None
+            and torch.backends.cpu.get_cpu_capability().startswith("AVX512")):
+        print0("note: bitsandbytes' faster CPU 4-bit matmul needs the optional `kernels` "
+               "package (pip install 'kernels>=0.11.1'); it falls back to its own")
 
 
 def keep_storage_layout(model: nn.Module) -> nn.Module:

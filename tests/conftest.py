@@ -3,7 +3,10 @@ import os
 import pytest
 
 from strategy.dist import LAUNCH_ENV
-from tests.support.ranks import Ranks, shm_buffers
+from tests.support.leftovers import Leftovers
+from tests.support.ranks import Ranks
+
+LEFTOVERS = Leftovers()  # at import: the marker and temp root reach every process tests start
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -33,11 +36,12 @@ def launch_env_kept():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_shm_leak():
-    before = set(shm_buffers())
+def nothing_left():
+    """The session fails when it leaves anything on the machine (the last fixture to end)."""
     yield
-    leaked = set(shm_buffers()) - before
-    assert not leaked, f"test session left DeepSpeed shared-memory buffers: {sorted(leaked)}"
+    left = LEFTOVERS.report()
+    LEFTOVERS.clear()
+    assert not left, f"the test session left these behind (now removed):\n{left}"
 
 
 def pytest_configure(config):

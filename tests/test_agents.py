@@ -573,18 +573,12 @@ def test_an_environment_that_raises_or_hangs_stops_every_rank(ranks, toy, fault,
 
 @pytest.fixture(scope="module")
 def tools_root(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from strategy.demos.toy_tools import make
-    from strategy.trainers.run import hf_config
+    """The tool-use example's data, and its tiny model after a short SFT on conversations that
+    call the calculator (a model from its config alone never calls a tool)."""
+    from tests.support.models import tool_caller
 
     root = tmp_path_factory.mktemp("tools")
-    make(str(root / "data"), n_train=45, n_test=9)
-    tok = __import__("transformers").AutoTokenizer.from_pretrained(str(root / "data/tokenizer"))
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama_tools.json", tok)
-                                     ).save_pretrained(root / "init")
-    tok.save_pretrained(root / "init")
+    tool_caller(root, out="init")
     return root
 
 
@@ -611,7 +605,7 @@ def test_grpo_with_tools_renders_their_schemas_and_logs_the_calls(ranks, tools_r
         assert out["prompt"].startswith("<system>multiply(a, b)<user>")
         for row in out["history"]:
             assert {"agent_tool_calls", "agent_tool_errors", "turns"} <= set(row)
-            assert row["turns"] >= 1.0
+            assert row["agent_tool_calls"] > 0 and row["turns"] > 1.0, row  # the tool was called
         assert "exact_match" in out["final"]
 
 

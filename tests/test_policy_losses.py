@@ -87,7 +87,11 @@ def test_cispo_equals_trl_and_keeps_every_tokens_gradient():
     assert bool((grad[mask.bool()] != 0).all()), "every token keeps a gradient"
     ppo_grad = _grad(_ours(logp, old, adv, mask, "ppo", "token_mean", high=high)[0], logp)
     assert bool((ppo_grad[mask.bool()] == 0).any()), "PPO's clip zeroes some (the contrast)"
-    assert metrics["clip_fraction"][0] == int(((ratio > 1 + high) & mask.bool()).sum())
+    clipped, scored = metrics["clip_fraction"]
+    trl = peer_rl.trl_cispo_clip_ratio(logp.detach(), old, adv[:, None], mask, 1 + high)
+    assert clipped / scored == pytest.approx(trl.item())  # TRL's cispo_clip_ratio
+    over = int(((ratio > 1 + high) & mask.bool()).sum())  # tokens past the bound, any advantage
+    assert 0 < clipped < over, "some clamped tokens have a negative advantage: not counted"
 
 
 def test_policy_loss_type_settings():

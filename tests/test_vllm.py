@@ -26,6 +26,7 @@ def toy(tmp_path_factory):
 
     from strategy.trainers.run import hf_config
     from tests.support.helpers import toy_root
+    from tests.support.models import tool_caller
 
     root = tmp_path_factory.mktemp("vllm")
     tok = toy_root(root, n_train=45, n_test=13, model_dir="init")  # 13 held out: 7, 6 per rank
@@ -39,35 +40,6 @@ def toy(tmp_path_factory):
     tok.save_pretrained(root / "init_tied")
     tool_caller(root / "tools")
     return root
-
-
-def tool_caller(root, steps: int = 60) -> None:
-    """The tool-use example's data in ``root/data`` and, in ``root/sft``, its tiny model after a
-    short SFT on conversations that call the calculator (plain torch, one process, ~10 s): its
-    greedy turns are well-formed calls (of the wrong numbers, mostly), so episodes have tool
-    turns; a model from its config alone never calls a tool."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from strategy.demos.toy_tools import make
-    from strategy.trainers.run import hf_config
-
-    make(str(root / "data"), n_train=512, n_test=13, seed=1)
-    tok = AutoTokenizer.from_pretrained(str(root / "data/tokenizer"))
-    rows = [json.loads(line) for line in open(root / "data/tool_sft.jsonl")]
-    chats = [tok.apply_chat_template(r["messages"], return_dict=False) for r in rows]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama_tools.json", tok))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    for step in range(steps):
-        batch = chats[step * 32 % len(chats):][:32]
-        n = max(map(len, batch))
-        ids = torch.tensor([c + [tok.pad_token_id] * (n - len(c)) for c in batch])
-        labels = torch.tensor([c + [-100] * (n - len(c)) for c in batch])
-        model(input_ids=ids, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.save_pretrained(root / "sft")
-    tok.save_pretrained(root / "sft")
 
 
 def _flags(root, name: str, **extra) -> list[str]:
@@ -163,25 +135,26 @@ def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
     ("hang", "the vLLM engine on rank 1 (generate) did not return within --vllm_timeout=20 s"),
     ("kill", "vLLM engine 0 (a process of its own, serving ranks 0-1) failed in generate: "
              "ConnectionError: its process (pid "),
-    ("kill_tp", "vLLM engine 0 (2 processes of its own, serving ranks 0-1) failed in generate: "
-                "ConnectionError: its process 1 (pid "),
     ("stop", "the vLLM engine 0 (a process of its own, serving ranks 0-1) (generate) did not "
              "return within --vllm_timeout=20 s"),
     ("die", None),
 ])
 def test_an_engine_that_fails_or_hangs_stops_every_rank_in_one_line(toy, fault, line):
     """Rank 1's engine raises, or hangs, in the second rollout, or (``--vllm_num_engines 1``)
-    the engine's own process is killed (or the second of its two, tensor parallel), or stopped
-    (SIGSTOP: it hangs), there: the job ends (a
+    the engine's own process is killed, or stopped (SIGSTOP: it hangs), there: the job ends (a
     hang after --vllm_timeout) with one line naming the engine, the call and the rank(s); or
     rank 0, which started the engine process, is killed there (the launcher then stops rank 1).
     The checkpoint saved before it is whole; no process of the job is left, the engine's
     included (a stopped one too)."""
+    extra = {"vllm_num_engines": 1} if fault in ("kill", "stop", "die") else {}
+    _fails_in_one_line(toy, fault, line, **extra)
+
+
+def _fails_in_one_line(toy, fault: str, line: str | None, **extra) -> None:
+    """The job with ``VLLM_FAULT`` set to ``fault`` fails with ``line`` (no traceback above it),
+    its checkpoint whole and no process of it left."""
     import glob
 
-    extra = {"vllm_num_engines": 1} if fault in ("kill", "kill_tp", "stop", "die") else {}
-    if fault == "kill_tp":  # two engine processes and two ranks starting on 2 cores: ~20 s
-        extra.update(vllm_tensor_parallel_size=2, vllm_timeout=60)
     settings = {"save_steps": 1, "vllm_timeout": 20, "timeout": 240, **extra}  # 240: stuck
     job = _job(toy, fault, env={"VLLM_FAULT": f"{fault}:{0 if fault == 'die' else 1}"},
                **settings)
@@ -193,6 +166,25 @@ def test_an_engine_that_fails_or_hangs_stops_every_rank_in_one_line(toy, fault, 
         str(toy / fault / "ckpt" / "latest"))
     assert saved, sorted(glob.glob(str(toy / fault / "ckpt" / "**"), recursive=True))[:10]
     _nothing_left(toy, fault)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_killed_tensor_parallel_engine_leaves_nothing_and_the_next_one_starts(toy):
+    """An engine of its own of two processes (tensor parallel) whose second process is killed
+    in the second rollout: one line on every rank naming the process; nothing of it is left in
+    /dev/shm (vLLM's CPU shared memory, which only a normal exit would unlink, is named after
+    the engine and unlinked once both processes have mapped it), so the next tensor-parallel
+    engine on this machine starts and trains (before, it failed: ``create shm in SHMManager
+    failed. errno: 17``)."""
+    before = set(os.listdir("/dev/shm"))
+    _fails_in_one_line(toy, "kill_tp", "vLLM engine 0 (2 processes of its own, serving ranks "
+                       "0-1) failed in generate: ConnectionError: its process 1 (pid ",
+                       vllm_num_engines=1, vllm_tensor_parallel_size=2, vllm_timeout=60)
+    assert not set(os.listdir("/dev/shm")) - before
+    out = _run(toy, "after_kill_tp", vllm_num_engines=1, vllm_tensor_parallel_size=2,
+               max_steps=1)
+    assert out["engine_processes"] == 2 and len(out["history"]) == 1
 
 
 @needs_vllm

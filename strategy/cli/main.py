@@ -88,7 +88,9 @@ def launcher_argv(command: str, launch: dict, argv: list[str]) -> list[str]:
     Returns:
         The arguments after ``python``.
     """
-    out = ["-m", "torch.distributed.run", "--nproc_per_node", str(launch["nproc"])]
+    # --log-dir /dev/null: torchrun otherwise leaves a torchelastic_* folder in /tmp each run
+    out = ["-m", "torch.distributed.run", "--nproc_per_node", str(launch["nproc"]),
+           "--log-dir", os.devnull]
     if launch.get("nnodes", 1) > 1:
         out += ["--nnodes", str(launch["nnodes"]), "--node_rank", str(launch.get("node_rank", 0)),
                 "--master_addr", launch.get("master_addr", "127.0.0.1"),

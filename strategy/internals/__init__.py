@@ -1,7 +1,8 @@
-"""Every use of private or undocumented torch/DeepSpeed/transformers internals, in one place, one
-module per library: ``deepspeed`` (engine state, parameter attributes, process-group globals,
+"""Every use of private or undocumented torch/DeepSpeed/transformers/vLLM internals, in one place,
+one module per library: ``deepspeed`` (engine state, parameter attributes, process-group globals,
 config schema, Adam kernels), ``deepspeed_files`` (checkpoint file names and keys, the universal
-conversion, ``weights_only`` loading), ``torch``, ``transformers``.
+conversion, ``weights_only`` loading), ``torch``, ``transformers``, ``vllm`` (the CPU build's
+shared-memory names).
 
 Each function says why we need it; ``tests/test_internals.py`` exercises every one of them on the
 real libraries, so an upgrade that breaks one fails there first (not deep inside a training run).
@@ -46,14 +47,17 @@ from strategy.internals.transformers import (
     set_attn_implementation,
     with_cache,
 )
+from strategy.internals.vllm import cpu_shm_names, unlink_cpu_shm
 
 __all__ = ["attn_implementation", "begin_submodule_forward", "convert_to_universal", "cpu_adam_op",
-           "deepspeed_checkpoint_globals", "deepspeed_config_keys", "default_store",
+           "cpu_shm_names", "deepspeed_checkpoint_globals", "deepspeed_config_keys",
+           "default_store",
            "engine_counters", "engine_measures_grad_norm", "fit_ulysses_to_batch", "full_numel",
            "full_shape", "is_zero3_param", "local_partition", "multi_tensor_adam",
            "new_cpu_adam_id", "new_ulysses", "non_persistent_buffers", "norm_base_classes",
            "release_sequence_parallel_groups", "release_tensor_parallel_groups",
            "restart_adam_powers", "set_attn_implementation", "shm_allreduce_buffer_path",
            "skipped_steps", "tensor_parallel_gathered", "universal_args",
-           "universal_checkpoint_loading", "weights_only_torch_load", "with_cache",
+           "universal_checkpoint_loading", "unlink_cpu_shm", "weights_only_torch_load",
+           "with_cache",
            "zero_config_error"]

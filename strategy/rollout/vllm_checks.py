@@ -5,11 +5,11 @@ imported) or before the engine starts (``check_engine_split``, ``check_head_size
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Any
 
 import torch
 
+from strategy.dist import get_local_world_size
 from strategy.errors import ConfigError
 from strategy.rollout.config import RolloutConfig
 
@@ -55,7 +55,7 @@ def check_engine_processes(config: RolloutConfig, world_size: int) -> None:
                           "engine on a device of its own frees nothing for training; drop "
                           "--vllm_enable_sleep")
     if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        local = get_local_world_size()  # torchrun's LOCAL_WORLD_SIZE or deepspeed's LOCAL_SIZE
         engines = max(local * n // world_size, 1)
         have, need = torch.cuda.device_count(), local + engines * tp
         if have < need:

@@ -31,7 +31,6 @@ OpenRLHF's hybrid engine), fed the policy's weights after every change.
 
 from __future__ import annotations
 
-import atexit
 import copy
 import logging
 import os
@@ -52,6 +51,7 @@ from strategy.dist import checked
 from strategy.errors import RankFailedError
 from strategy.export.save import gathered_params, group_units, tensor_parallel_owners
 from strategy.export.units import plan_export
+from strategy.internals import cpu_shm_names, unlink_cpu_shm
 from strategy.model import base_model, is_peft_model
 from strategy.rollout.config import RolloutConfig
 from strategy.rollout.vllm_checks import check_engine_split, check_head_size
@@ -142,15 +142,18 @@ def start_llm(directory: str, dtype: torch.dtype, config: RolloutConfig, max_mod
               seed: int) -> Any:
     """A vLLM engine in this process (``external_launcher``: it joins the process group already
     made) for the ``config.json`` in ``directory``, placeholder weights until the first reload;
-    the process's random generators as before."""
+    the process's random generators as before. Its CPU shared memory is named after this
+    process group's port (``shm_prefix``: apart from other jobs' engines) and unlinked once every
+    process of the engine has mapped it, and its sockets' files removed once connected: nothing
+    of either is left when a process is killed."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per sync
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.vllm_cpu_kv_cache_gb))
     from vllm import LLM  # the optional extra: imported only when asked for
 
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
         quiet_rotary_reload)
-    with kept_process_state():
-        return LLM(
+    with kept_process_state(), cpu_shm_names(shm_prefix()) as shm_names, ipc_sockets_kept():
+        llm = LLM(
             model=directory, dtype=dtype, load_format="dummy", skip_tokenizer_init=True,
             distributed_executor_backend="external_launcher",
             tensor_parallel_size=config.vllm_tensor_parallel_size,
@@ -158,6 +161,42 @@ def start_llm(directory: str, dtype: torch.dtype, config: RolloutConfig, max_mod
             gpu_memory_utilization=config.vllm_gpu_memory_utilization,
             enable_sleep_mode=config.vllm_enable_sleep, logprobs_mode="processed_logprobs",
             generation_config="vllm", enable_prefix_caching=True)
+    for name in shm_names:  # every process of the engine joined its groups before this
+        unlink_cpu_shm(name)
+    return llm
+
+
+@contextmanager
+def scratch_dir() -> Iterator[str]:
+    """A folder of this process's own, removed when the block ends, however it ends."""
+    path = tempfile.mkdtemp(prefix="strategy-vllm-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def ipc_sockets_kept() -> Iterator[None]:
+    """vLLM's local sockets (``VLLM_RPC_BASE_PATH``: the temp folder, named at random, never
+    unlinked by a process that is killed or ends with ``os._exit``) made in a folder of their own
+    while the engine starts, then removed: every process of the engine has connected by then,
+    and connections outlive the files. A user's own ``VLLM_RPC_BASE_PATH`` is left alone."""
+    if os.environ.get("VLLM_RPC_BASE_PATH"):
+        yield
+        return
+    with scratch_dir() as path:
+        os.environ["VLLM_RPC_BASE_PATH"] = path
+        try:
+            yield
+        finally:
+            del os.environ["VLLM_RPC_BASE_PATH"]
+
+
+def shm_prefix() -> str:
+    """How this process's engine names its CPU shared memory: after the port of the process
+    group it joined (its job's, or its own engine world's), so no two live jobs share a name."""
+    return f"strategy{os.environ.get('MASTER_PORT', os.getpid())}"
 
 
 def run_requests(llm: Any, prompts: list[list[int]], seeds: list[int],
@@ -299,11 +338,10 @@ class VllmRollout:
         check_head_size(base_model(self.source).config)
         check_engine_split(base_model(self.source).config, config.vllm_tensor_parallel_size)
         self._peers = EnginePeers(config.vllm_tensor_parallel_size)
-        self._dir = tempfile.mkdtemp(prefix="strategy-vllm-")  # this rank's, gone at exit
-        atexit.register(shutil.rmtree, self._dir, ignore_errors=True)
-        self._tied = save_untied_config(base_model(self.source), self._dir)
-        self.llm = start_llm(self._dir, next(self.source.parameters()).dtype, config,
-                             max_model_len, seed)
+        with scratch_dir() as directory:  # the engine reads its config.json at start only
+            self._tied = save_untied_config(base_model(self.source), directory)
+            self.llm = start_llm(directory, next(self.source.parameters()).dtype, config,
+                                 max_model_len, seed)
         self._prepare_stream()
 
     def _prepare_stream(self) -> None:

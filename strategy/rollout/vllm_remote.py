@@ -28,14 +28,12 @@ import atexit
 import json
 import os
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from multiprocessing.connection import Client
 from typing import Any, Iterator
@@ -43,7 +41,8 @@ from typing import Any, Iterator
 import torch
 from transformers import GenerationConfig
 
-from strategy.dist import checked, free_port
+from strategy.dist import checked, free_port, get_local_world_size
+from strategy.internals import unlink_cpu_shm
 from strategy.model import base_model
 from strategy.rollout.config import RolloutConfig
 from strategy.rollout.vllm_checks import check_engine_split, check_head_size
@@ -54,6 +53,7 @@ from strategy.rollout.vllm_engine import (
     deadline,
     engine_failure,
     save_untied_config,
+    scratch_dir,
     with_completions,
 )
 from strategy.rollout.vllm_server import MARK, generation_settings, send_tensor, weight_group
@@ -154,15 +154,13 @@ class RemoteVllmRollout(VllmRollout):
         model = base_model(self.source)
         check_head_size(model.config)
         check_engine_split(model.config, config.vllm_tensor_parallel_size)
-        directory = None  # the engine's config.json, written by the rank that starts it
-        if self.rank == self.first:
-            directory = tempfile.mkdtemp(prefix="strategy-vllm-")
-            atexit.register(shutil.rmtree, directory, ignore_errors=True)
-        self._tied = save_untied_config(model, directory)
         self.processes: list[subprocess.Popen] = []  # the engine's, on the rank that started it
         self._group: Any = None  # the sync's process group with them, there
         failed = engine_failure(self.describe, "start")
-        started = checked(self._start, directory, max_model_len, seed, make=failed)
+        # the engine's config.json, written by the rank that starts it and read at start only
+        with scratch_dir() if self.rank == self.first else nullcontext() as directory:
+            self._tied = save_untied_config(model, directory)
+            started = checked(self._start, directory, max_model_len, seed, make=failed)
         addresses: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(addresses, started)
         self.address = addresses[self.first]
@@ -181,19 +179,22 @@ class RemoteVllmRollout(VllmRollout):
             return None
         key = secrets.token_hex(16)
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE",
-                                         torch.distributed.get_world_size()))
+        local_world = get_local_world_size()  # torchrun's or the deepspeed launcher's variable
         spec = {"dir": directory, "dtype": str(next(self.source.parameters()).dtype)[6:],
                 "rollout": asdict(self.config), "max_model_len": max_model_len, "seed": seed,
                 "clients": self.per, "authkey": key, "parent": os.getpid()}
         tp, port = self.config.vllm_tensor_parallel_size, free_port()
         spec["weights_port"] = free_port()
         devices = engine_devices(local_rank, local_world, self.per, tp)
+        # at exit, after its processes have ended (atexit runs last what it got first): what
+        # they left in shared memory, where one was killed while it started
+        atexit.register(unlink_cpu_shm, f"strategy{port}")
         for index in range(tp):
             process = subprocess.Popen(
                 [sys.executable, "-c", "from strategy.rollout.vllm_server import main; main()"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                env=engine_env(index, tp, port, devices))
+                env={"VLLM_RPC_BASE_PATH": directory,  # its sockets' files go with the folder
+                     **engine_env(index, tp, port, devices)})
             atexit.register(stop, process)
             self.processes.append(process)
             process.stdin.write(json.dumps(spec) + "\n")

@@ -38,8 +38,9 @@ import torch
 from transformers import GenerationConfig
 
 from strategy.dist import first_line
+from strategy.internals import unlink_cpu_shm
 from strategy.rollout.config import RolloutConfig
-from strategy.rollout.vllm_engine import run_requests, start_llm
+from strategy.rollout.vllm_engine import run_requests, shm_prefix, start_llm
 
 MARK = "[strategy vllm engine] "  # starts the line the parent waits for (imports may print)
 GENERATION_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
@@ -255,6 +256,7 @@ def main() -> None:
         listener = (Listener(("127.0.0.1", 0), authkey=bytes.fromhex(spec["authkey"]))
                     if first else None)
     except Exception as exc:  # noqa: BLE001 - the parent raises it as one line
+        unlink_cpu_shm(shm_prefix())  # what vLLM made before it failed (os._exit runs no C++)
         print(MARK + json.dumps({"error": one_line(exc)}), file=replies, flush=True)
         os._exit(1)
     ready = {"port": listener.address[1]} if first else {"ready": group.rank}

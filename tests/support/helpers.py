@@ -114,6 +114,7 @@ def torchrun_command(script: str, *args: str, port: int | None = None) -> list[s
     from strategy.dist import free_port
 
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--log-dir", os.devnull,  # else a torchelastic_* folder in the temp root each job
             "--master_port", str(port or free_port()), script, *args]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 VOCAB = 96
@@ -63,3 +65,32 @@ FAMILIES = {"llama": tiny_llama, "gpt2": tiny_gpt2, "qwen2": tiny_qwen2}
 def token_batches(n: int, batch: int, seq: int = 16, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(n)]
+
+
+def tool_caller(root, steps: int = 60, out: str = "sft") -> None:
+    """The tool-use example's data in ``root/data`` and, in ``root/out``, its tiny model after a
+    short SFT on conversations that call the calculator (plain torch, one process, ~10 s): its
+    greedy turns are well-formed calls (of the wrong numbers, mostly), so episodes have tool
+    turns; a model from its config alone never calls a tool."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from strategy.demos.toy_tools import make
+    from strategy.trainers.run import hf_config
+
+    make(str(root / "data"), n_train=512, n_test=13, seed=1)
+    tok = AutoTokenizer.from_pretrained(str(root / "data/tokenizer"))
+    rows = [json.loads(line) for line in open(root / "data/tool_sft.jsonl")]
+    chats = [tok.apply_chat_template(r["messages"], return_dict=False) for r in rows]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama_tools.json", tok))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    for step in range(steps):
+        batch = chats[step * 32 % len(chats):][:32]
+        n = max(map(len, batch))
+        ids = torch.tensor([c + [tok.pad_token_id] * (n - len(c)) for c in batch])
+        labels = torch.tensor([c + [-100] * (n - len(c)) for c in batch])
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(root / out)
+    tok.save_pretrained(root / out)

@@ -180,6 +180,15 @@ def trl_per_token_loss(per_token_logps, old_per_token_logps, advantages, mask, l
     return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)  # cispo, dapo
 
 
+def trl_cispo_clip_ratio(per_token_logps, old_per_token_logps, advantages, mask, epsilon_high):
+    """TRL 1.16 ``GRPOTrainer._compute_loss``'s ``cispo_clip_ratio`` (``loss_type="cispo"``):
+    the share of scored tokens whose weight the clamp lowered, among those with a positive
+    advantage."""
+    coef_1 = torch.exp(per_token_logps - old_per_token_logps)
+    is_cispo_clipped = (coef_1 > epsilon_high) & (advantages > 0)
+    return (is_cispo_clipped.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
 def apply_length_penalties(rewards, response_length, truncated, max_new_tokens,
                            overlong_buffer_len=None, overlong_penalty_factor=1.0,
                            stop_properly_penalty_coef=None):

@@ -152,8 +152,10 @@ def grpo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torc
     log-ratio (GSPO, OpenRLHF's ``gspo``, TRL's ``importance_sampling_level="sequence"``);
     ``cispo``, ``-sg(min(ratio, 1 + clip_eps_high)) * advantage * logp``: the weight is clipped,
     not the gradient, so every token keeps one (CISPO; TRL's ``cispo`` with ``epsilon_high`` =
-    1 + ``clip_eps_high``). ``dual_clip`` (> 1, dual-clip PPO, ppo and gspo) bounds a negative
-    advantage's loss at ``-dual_clip * advantage``, as OpenRLHF's ``PolicyLoss``.
+    1 + ``clip_eps_high``; its clipped share counts, as TRL's, the tokens with a positive
+    advantage whose weight was clamped). ``dual_clip`` (> 1, dual-clip PPO, ppo and gspo)
+    bounds a negative advantage's loss at ``-dual_clip * advantage``, as OpenRLHF's
+    ``PolicyLoss``.
     ``advantages`` has one value per row, or one per token.
     """
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
@@ -161,7 +163,8 @@ def grpo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torc
     if policy_loss_type == "cispo":
         ratio = torch.exp(logp - old_logp)
         objective = torch.clamp(ratio, max=1 + high).detach() * adv * logp
-        was_clipped = ratio > 1 + high
+        was_clipped = (ratio > 1 + high) & (adv > 0)  # TRL's cispo_clip_ratio: where the
+        # clamp lowers the weight of a token the update pushes up
     else:
         ratio = torch.exp(_log_ratio(logp, old_logp, mask, policy_loss_type))
         unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + high) * adv

@@ -1,0 +1,90 @@
+"""What a test session leaves behind on the machine: /dev/shm entries it made, processes it
+started (found by a variable every child inherits, so orphans count too) and files in its own
+temp root. ``conftest.py`` fails the session when any is left, names each, then removes it so the
+next run starts clean."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import time
+
+SESSION_VAR = "STRATEGY_TEST_SESSION"
+SHM = "/dev/shm"
+
+
+class Leftovers:
+    """A session's marker and temp root, set up in this process's environment, and what it had
+    in /dev/shm before it started."""
+
+    def __init__(self) -> None:
+        self.marker = f"{os.getpid()}-{time.time_ns()}"
+        os.environ[SESSION_VAR] = self.marker  # inherited by every process the tests start
+        self.root = tempfile.mkdtemp(prefix="strategy-tests-")
+        os.environ["TMPDIR"] = self.root
+        tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+        self.shm_before = set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+
+    def processes(self) -> list[tuple[int, str]]:
+        """Live processes of this session other than this one: (pid, command line)."""
+        needle = f"{SESSION_VAR}={self.marker}".encode()
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            if int(pid) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if needle not in f.read().split(b"\0"):
+                        continue
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        continue  # a zombie holds nothing; its parent reaps it
+            except OSError:  # ended meanwhile, or not ours to read
+                continue
+            found.append((int(pid), command[:200]))
+        return found
+
+    def shm(self) -> list[str]:
+        """/dev/shm entries made since the session started, but those this process still maps
+        (its own queues' semaphores, freed at its exit)."""
+        now = set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+        with open("/proc/self/maps") as f:
+            mapped = {line.split(SHM + "/", 1)[1].strip() for line in f if SHM + "/" in line}
+        return sorted(now - self.shm_before - mapped)
+
+    def temp(self) -> list[str]:
+        """What is left in the session's temp root, pytest's own folders and torch's compile
+        cache (kept on purpose, as in ~/.cache) aside."""
+        return sorted(n for n in os.listdir(self.root)
+                      if not n.startswith(("pytest-of-", "torchinductor_")))
+
+    def report(self, grace: float = 15.0) -> str:
+        """What is left (after ``grace`` seconds for processes just ending), one kind a line;
+        '' when nothing."""
+        deadline = time.monotonic() + grace
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        lines = []
+        for what, items in (("processes", self.processes()), ("/dev/shm entries", self.shm()),
+                            (f"temp files in {self.root}", self.temp())):
+            if items:
+                lines.append(f"{what}: {items}")
+        return "\n".join(lines)
+
+    def clear(self) -> None:
+        """Removes what is left, so the next run starts clean."""
+        for pid, _ in self.processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for name in self.shm():
+            try:
+                os.unlink(os.path.join(SHM, name))
+            except OSError:
+                pass
+        shutil.rmtree(self.root, ignore_errors=True)
