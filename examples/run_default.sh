@@ -11,7 +11,9 @@ export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1 PYTHONPATH="$PWD"
 OUT=${OUT:-outputs/default}
 rm -rf "$OUT"
 python -m strategy.demos.toy_task make "$OUT/data"
-torchrun --nproc_per_node 2 --master_port "${MASTER_PORT:-29531}" -m strategy.demos.train_default \
+# --log-dir /dev/null: torchrun would leave a torchelastic_* folder in the temp folder each run
+torchrun --nproc_per_node 2 --log-dir /dev/null --master_port "${MASTER_PORT:-29531}" \
+    -m strategy.demos.train_default \
     --config default --tokenizer "$OUT/data/tokenizer" \
     --dataset "$OUT/data/train.jsonl" --eval_dataset "$OUT/data/test.jsonl" \
     --save_path "$OUT/model" --ckpt_path "$OUT/ckpt" --log_dir "$OUT/logs"

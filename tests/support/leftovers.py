@@ -41,8 +41,11 @@ class Leftovers:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
                 with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                        continue  # a zombie holds nothing; its parent reaps it
+                    state, parent = f.read().rsplit(")", 1)[1].split()[:2]
+                if state == "Z":
+                    continue  # a zombie holds nothing; its parent reaps it
+                if int(parent) == os.getpid() and "multiprocessing.resource_tracker" in command:
+                    continue  # this process's own tracker: it ends with it, freeing its queues
             except OSError:  # ended meanwhile, or not ours to read
                 continue
             found.append((int(pid), command[:200]))
