@@ -193,10 +193,11 @@ def ipc_sockets_kept() -> Iterator[None]:
             del os.environ["VLLM_RPC_BASE_PATH"]
 
 
-def shm_prefix() -> str:
-    """How this process's engine names its CPU shared memory: after the port of the process
-    group it joined (its job's, or its own engine world's), so no two live jobs share a name."""
-    return f"strategy{os.environ.get('MASTER_PORT', os.getpid())}"
+def shm_prefix(port: int | str | None = None) -> str:
+    """How an engine names its CPU shared memory: after the port of the process group it joins
+    (``port``; None: this process's, its job's or its own engine world's), so no two live jobs
+    share a name."""
+    return f"strategy{port or os.environ.get('MASTER_PORT', os.getpid())}"
 
 
 def run_requests(llm: Any, prompts: list[list[int]], seeds: list[int],

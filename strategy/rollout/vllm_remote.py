@@ -54,6 +54,7 @@ from strategy.rollout.vllm_engine import (
     engine_failure,
     save_untied_config,
     scratch_dir,
+    shm_prefix,
     with_completions,
 )
 from strategy.rollout.vllm_server import MARK, generation_settings, send_tensor, weight_group
@@ -188,7 +189,7 @@ class RemoteVllmRollout(VllmRollout):
         devices = engine_devices(local_rank, local_world, self.per, tp)
         # at exit, after its processes have ended (atexit runs last what it got first): what
         # they left in shared memory, where one was killed while it started
-        atexit.register(unlink_cpu_shm, f"strategy{port}")
+        atexit.register(unlink_cpu_shm, shm_prefix(port))
         for index in range(tp):
             process = subprocess.Popen(
                 [sys.executable, "-c", "from strategy.rollout.vllm_server import main; main()"],
