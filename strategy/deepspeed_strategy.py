@@ -46,11 +46,10 @@ from strategy.rollout import (
     check_fits,
     free_memory_bytes,
     is_partitioned,
+    vllm_rollout,
 )
 from strategy.rollout.config import RolloutConfig
 from strategy.rollout.vllm_checks import check_vllm_settings
-from strategy.rollout.vllm_engine import VllmRollout
-from strategy.rollout.vllm_remote import RemoteVllmRollout
 from strategy.sampler import ResumableDistributedSampler, ShardSampler
 
 export_log = get_logger("export")
@@ -504,9 +503,8 @@ class DeepSpeedStrategy:
             check_vllm_settings(rollout, self.world_size)
             apart = rollout.vllm_num_engines  # engines in processes of their own
             ranks = self.world_size // apart if apart else rollout.vllm_tensor_parallel_size
-            kind = RemoteVllmRollout if apart else VllmRollout
-            return kind(engine, rollout, max_model_len,  # an engine's ranks seed it alike
-                        self.config.seed * 1_009 + self.rank // ranks)
+            return vllm_rollout(engine, rollout, max_model_len,  # an engine's ranks seed it
+                                self.config.seed * 1_009 + self.rank // ranks)  # alike
         if gather == "full" and is_partitioned(engine.module):
             check_fits(engine.module, int(self.all_reduce(float(free_memory_bytes()), op="min")))
             return GatheredRollout(engine, self.models.build_plain)

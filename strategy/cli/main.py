@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 
-from strategy.errors import ConfigError, StrategyError
+from strategy.errors import ConfigError, RankFailedError, StrategyError
 
 COMMANDS = ("sft", "rm", "dpo", "orpo", "simpo", "kto", "grpo", "ppo", "distill")
 CPU_RANKS = 2  # ranks on a machine without accelerators: the tested CPU setting
@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         launch, rest = split_launch_flags(rest)
         if "-h" in rest or "--help" in rest:
             _help(command)
+        if "--ray" in rest:  # this process drives; Ray places the ranks (strategy.cluster)
+            run_ray_job(command, rest)
         launch.setdefault("nproc", default_nproc())
         check(command, launch, rest)
     except StrategyError as error:
@@ -149,6 +151,20 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     os.execve(sys.executable, [sys.executable, *launcher_argv(command, launch, rest)], env)
+
+
+def run_ray_job(command: str, argv: list[str]) -> None:
+    """``strategy <trainer> --ray ...``: the job on Ray, driven from here; exit 0, or one line
+    and exit 2 (a setting, a placement) or 1 (a rank or engine failed)."""
+    from strategy.cluster import run_on_ray
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        run_on_ray(command, argv)
+    except StrategyError as error:
+        sys.stderr.write(f"error: {error}\n")
+        raise SystemExit(1 if isinstance(error, RankFailedError) else 2) from None
+    raise SystemExit(0)
 
 
 def _help(command: str) -> None:

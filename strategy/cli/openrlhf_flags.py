@@ -40,6 +40,20 @@ for GRPO/PPO); a rollout here is one step's ``train_batch_size`` completions, st
 from __future__ import annotations
 
 DOTTED: dict[str, tuple[str, ...]] = {
+    # ---- Ray placement (strategy.cluster; --ray is set by train_ppo_ray): the reference,
+    # critic and reward model run inside the actor group's ranks, so their placement must be
+    # the actor's (or left out), and both colocate flags are what is always done here
+    "actor.num_nodes": ("--actor_num_nodes", "{}"),
+    "actor.num_gpus_per_node": ("--actor_num_gpus_per_node", "{}"),
+    "ref.num_nodes": ("--ref_num_nodes", "{}"),
+    "ref.num_gpus_per_node": ("--ref_num_gpus_per_node", "{}"),
+    "critic.num_nodes": ("--critic_num_nodes", "{}"),
+    "critic.num_gpus_per_node": ("--critic_num_gpus_per_node", "{}"),
+    "reward.num_nodes": ("--reward_num_nodes", "{}"),
+    "reward.num_gpus_per_node": ("--reward_num_gpus_per_node", "{}"),
+    "train.colocate_all": ("--colocate_all",),
+    "train.colocate_actor_ref": ("--colocate_actor_ref",),
+    "train.colocate_critic_reward": ("--colocate_critic_reward",),
     # ---- checkpoints, outputs, logging
     "ckpt.output_dir": ("--save_path", "{}"),  # the final HF export (default ./outputs/model)
     "ckpt.save_steps": ("--save_steps", "{}"),  # -1: never mid-run, both
@@ -208,9 +222,9 @@ PER_PARSER: dict[str, dict[str, tuple[str, ...]]] = {
     "train_ppo_ray": {"train.max_epochs": ("--ppo_epochs", "{}")},
 }
 
-_RAY = "Ray placement: launch with deepspeed/torchrun/`strategy <trainer> --nproc N` instead"
 _VLLM = ("vLLM engines here run in every rank (--rollout_engine vllm) or on devices of their own "
-         "(--vllm_num_engines N), their weights synced without Ray")
+         "(--vllm_num_engines N: on Ray, Ray actors), their weights synced over a process group "
+         "of their own")
 _MUON = "Muon is not here; --optimizer fused_adam, cpu_adam or hybrid_adam (Adam)"
 _VLM = "vision-language training is not here; text prompts only"
 _ASYNC = ("partial rollouts are not here: a rollout is generated whole, on the weights of one "
@@ -287,18 +301,6 @@ REFUSED: dict[str, str] = {
     "data.multiturn": "chat rows are found by --messages_key (default messages; all assistant "
                       "turns scored): pass --messages_key <the --input_key field>",
     "model.margin_loss_enable": "the RM pairwise loss has no margin term here (--loss sigmoid)",
-    # ---- Ray placement
-    "ref.num_nodes": _RAY,
-    "ref.num_gpus_per_node": _RAY,
-    "reward.num_nodes": _RAY,
-    "reward.num_gpus_per_node": _RAY,
-    "actor.num_nodes": _RAY,
-    "actor.num_gpus_per_node": _RAY,
-    "critic.num_nodes": _RAY,
-    "critic.num_gpus_per_node": _RAY,
-    "train.colocate_actor_ref": _RAY + " (every model here shares each rank)",
-    "train.colocate_critic_reward": _RAY + " (every model here shares each rank)",
-    "train.colocate_all": _RAY + " (every model here shares each rank)",
     # ---- vLLM
     "vllm.sync_backend": ("engines of their own are synced over NCCL on CUDA and gloo on CPU, "
                           "chosen by the device; drop it"),

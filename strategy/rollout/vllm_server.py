@@ -41,6 +41,7 @@ from strategy.dist import first_line
 from strategy.internals import unlink_cpu_shm
 from strategy.rollout.config import RolloutConfig
 from strategy.rollout.vllm_engine import run_requests, shm_prefix, start_llm
+from strategy.rollout.weight_stream import broadcast, weight_group, wire_device
 
 MARK = "[strategy vllm engine] "  # starts the line the parent waits for (imports may print)
 GENERATION_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
@@ -51,30 +52,6 @@ IDLE = timedelta(days=30)  # the engine's processes wait this long for the next 
 def generation_settings(generation_config: GenerationConfig) -> dict[str, Any]:
     """What the engine needs of a ``GenerationConfig``, as plain values."""
     return {key: getattr(generation_config, key, None) for key in GENERATION_KEYS}
-
-
-def wire_device() -> torch.device:
-    """Where a synced tensor travels: this process's GPU (NCCL), else host memory (gloo)."""
-    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-            else torch.device("cpu"))
-
-
-def weight_group(port: int, rank: int, size: int, seconds: float) -> Any:
-    """The sync's process group: the engine's first training rank (0, which holds the store
-    on ``port``) and the engine's processes (1..), apart from either side's own world."""
-    timeout = timedelta(seconds=seconds)
-    store = torch.distributed.TCPStore("127.0.0.1", port, size, is_master=rank == 0,
-                                       timeout=timeout, wait_for_workers=False)
-    if torch.cuda.is_available():
-        return torch.distributed.ProcessGroupNCCL(store, rank, size)
-    return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
-
-
-def broadcast(group: Any, tensor: torch.Tensor) -> None:
-    """``tensor`` from the group's rank 0 (the training rank) to every engine process."""
-    options = torch.distributed.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([tensor], options).wait()
 
 
 def send_tensor(conn: Connection, group: Any, name: str, tensor: torch.Tensor) -> None:

@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from strategy.agents import load_agent
+from strategy.cluster.config import ClusterConfig
 from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.rollout.config import RolloutConfig
@@ -150,7 +151,7 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
     data = PROMPTS
     command = "grpo"
     resume_by_samples = False  # a step consumes completions, not loader samples
-    config_classes = (GRPOConfig, RolloutConfig)
+    config_classes = (GRPOConfig, RolloutConfig, ClusterConfig)
 
     @classmethod
     def check_settings(cls, configs: dict, world_size: int) -> None:

@@ -29,6 +29,7 @@ import torch
 from transformers import AutoConfig, AutoModelForTokenClassification
 from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
 
+from strategy.cluster.config import ClusterConfig
 from strategy.config import StrategyConfig
 from strategy.errors import ConfigError, fail
 from strategy.model import hf_config
@@ -149,7 +150,7 @@ class PPOTrainer(GRPOTrainer):
         ConfigError: no critic, or ``grpo`` is not a ``PPOConfig``.
     """
 
-    config_classes = (PPOConfig, RolloutConfig)
+    config_classes = (PPOConfig, RolloutConfig, ClusterConfig)
     command = "ppo"
 
     @classmethod

@@ -1,0 +1,26 @@
+"""Online RL across machines on Ray, placed as OpenRLHF places it: the actor group's ranks and
+the vLLM engines are Ray actors in placement groups (``--actor_num_nodes``,
+``--actor_num_gpus_per_node``, ``--vllm_num_engines``, ``--vllm_tensor_parallel_size``,
+``--colocate_all``), driven by one process (``driver.run_on_ray``); the engines' layer is
+``strategy.rollout.vllm_ray``.
+
+- ``config``: ``ClusterConfig``, the placement flags.
+- ``placement``: the bundles asked for, checked against the cluster before anything is
+  reserved, reserved with a deadline, ordered by node.
+- ``driver``: the job: settings checked, Ray joined or started, actors placed and run,
+  ``placement.json``, everything torn down however it ends.
+
+May import: ``strategy.errors``, ``strategy.config``, ``strategy.rollout``, ``strategy.trainers``
+(the commands its ranks run), and Ray (the optional extra), only once a Ray job runs.
+"""
+
+from strategy.cluster.config import ClusterConfig
+
+__all__ = ["ClusterConfig", "run_on_ray"]
+
+
+def run_on_ray(command: str, argv: list[str]):
+    """``driver.run_on_ray``: ``command``'s job on Ray; rank 0's result."""
+    from strategy.cluster.driver import run_on_ray as run
+
+    return run(command, argv)

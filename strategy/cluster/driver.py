@@ -1,0 +1,318 @@
+"""The Ray job's driver (a single controller, as OpenRLHF's ``train_ppo_ray`` and verl's): it
+checks every setting, joins or starts Ray, reserves the placement, starts the vLLM engine actors
+and the actor group's ranks (each a Ray actor running the trainer's own command, SPMD, with its
+rendezvous from rank 0's node), writes ``placement.json``, waits, and tears everything down:
+engines through vLLM's own shutdown, then every actor and placement group, however the job
+ends (an error, a dead actor or node, SIGINT or SIGTERM to the driver).
+
+A failure is one line naming the group, the rank (or engine) and its node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+from typing import Any
+
+from strategy.cluster.config import ClusterConfig
+from strategy.cluster.placement import (
+    actor_share,
+    check_fits,
+    ordered_bundles,
+    plan,
+    require_ray,
+    reserve,
+)
+from strategy.errors import ConfigError, RankFailedError, StrategyError
+from strategy.rollout.config import ENGINES_VAR, RolloutConfig
+from strategy.rollout.vllm_ray import VllmEngine, engine_env, remove_engine_files
+from strategy.trainers.config import TrainConfig
+
+SHUTDOWN_S = 60.0  # an engine's own shutdown, before its actor is killed anyway
+POLL_S = 1.0
+
+
+class TrainingRank:
+    """One rank of the actor group, in a Ray actor: runs the trainer's command as a launcher's
+    rank would (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``)."""
+
+    def where(self) -> dict:
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "devices": [str(d) for d in context.get_accelerator_ids().get("GPU", [])],
+                "pid": os.getpid()}
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a free port on it (rank 0's, for the group's store)."""
+        import ray
+
+        from strategy.dist import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def run(self, command: str, argv: list[str], env: dict[str, str], cwd: str) -> Any:
+        """The trainer's command, this actor being one of its ranks; its result."""
+        import importlib
+
+        os.environ.update(env)
+        if os.path.isdir(cwd):  # the driver's folder, where this node sees it (relative paths)
+            os.chdir(cwd)
+        result = importlib.import_module(f"strategy.cli.train_{command}").main(argv)
+        return json.loads(json.dumps(result, default=float))
+
+
+def configs(command: str, argv: list[str]) -> dict:
+    """Every setting of ``command`` checked as its ranks will (the actor group's world size)."""
+    from strategy.cli.trainers import TRAINERS, command_argv
+    from strategy.config.cli import parse_configs
+    from strategy.trainers.run import CONFIG_CLASSES, Run, foreign_flags, hidden_flags
+
+    trainer = TRAINERS[command][0]
+    argv = command_argv(argv, command)
+    parsed, _ = parse_configs(list(CONFIG_CLASSES + tuple(trainer.config_classes)), argv,
+                              None, foreign_flags(trainer), hidden_flags(trainer))
+    cluster = next(c for c in parsed if isinstance(c, ClusterConfig))
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(cluster.world_size)
+    try:
+        by_type, _ = Run.check_args(argv, trainer=trainer)
+    finally:
+        if saved is None:
+            os.environ.pop("WORLD_SIZE")
+        else:
+            os.environ["WORLD_SIZE"] = saved
+    return by_type
+
+
+class Job:
+    """One Ray job's actors and placement groups (``run`` starts, waits and tears down)."""
+
+    def __init__(self, ray: Any, command: str, argv: list[str], by_type: dict) -> None:
+        self.ray, self.command, self.argv = ray, command, argv
+        self.cluster: ClusterConfig = by_type[ClusterConfig]
+        self.rollout: RolloutConfig = by_type[RolloutConfig]
+        self.log_dir = by_type[TrainConfig].log_dir
+        self.namespace = f"strategy-{os.getpid()}-{time.time_ns()}"
+        self.groups: list[Any] = []
+        self.engines: list[Any] = []
+        self.ranks: list[Any] = []
+        self.where: dict[str, list[dict]] = {"actor": [], "vllm_engines": []}
+
+    # ------------------------------------------------------------ placement
+    def place(self) -> None:
+        job = plan(self.cluster, self.rollout)
+        check_fits(job, self.ray)
+        timeout = self.cluster.ray_timeout
+        actor = reserve(self.ray, job.actor, "PACK", timeout, "actor group")
+        self.groups.append(actor)
+        slots = ordered_bundles(self.ray, actor)
+        share = 0.5 if job.colocated else 1.0
+        self._start_engines(job, actor, slots, share)
+        self._start_ranks(job, actor, slots, share)
+
+    def _options(self, group: Any, bundle: int, resources: dict, share: float,
+                 env: dict[str, str]) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {**actor_share(self.cluster, resources, share),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=bundle),
+                "runtime_env": {"env_vars": env}}
+
+    def _start_engines(self, job: Any, actor: Any, slots: list, share: float) -> None:
+        n, tp = self.rollout.vllm_num_engines, self.rollout.vllm_tensor_parallel_size
+        if not n:
+            return
+        if job.colocated:
+            group, bundles, resources = actor, [slots[i][0] for i in range(n)], job.actor[0]
+        else:
+            group = reserve(self.ray, job.engines, "PACK", self.cluster.ray_timeout,
+                            "vLLM engines")
+            self.groups.append(group)
+            bundles, resources = list(range(n)), job.engines[0]
+        remote = self.ray.remote(VllmEngine)
+        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **engine_env(tp)}
+        for index, bundle in enumerate(bundles):
+            name = f"vllm-engine-{index}"
+            self.engines.append(remote.options(
+                name=name, namespace=self.namespace, max_concurrency=1,
+                **self._options(group, bundle, resources, share, env)).remote(index, tp))
+            self.where["vllm_engines"].append({"engine": index, "name": name, "bundle": bundle,
+                                               "placement_group": group.id.hex()})
+        for entry, where in zip(self.where["vllm_engines"], self._get(
+                [e.where.remote() for e in self.engines], "vLLM engines", "start")):
+            entry.update(where)
+
+    def _start_ranks(self, job: Any, actor: Any, slots: list, share: float) -> None:
+        remote = self.ray.remote(TrainingRank)
+        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        for bundle, _, _ in slots:
+            self.ranks.append(remote.options(
+                **self._options(actor, bundle, job.actor[0], share, env)).remote())
+        places = self._get([r.where.remote() for r in self.ranks], "actor group", "start")
+        for rank, ((bundle, _, _), where) in enumerate(zip(slots, places)):
+            self.where["actor"].append({"rank": rank, "bundle": bundle,
+                                        "placement_group": actor.id.hex(), **where})
+
+    def _get(self, refs: list, group: str, what: str) -> list:
+        try:
+            return self.ray.get(refs, timeout=self.cluster.ray_timeout)
+        except self.ray.exceptions.GetTimeoutError:
+            raise RankFailedError(f"the {group} did not {what} within --ray_timeout="
+                            f"{self.cluster.ray_timeout:g} s") from None
+
+    # ------------------------------------------------------------ the run
+    def rank_env(self, rank: int, master: tuple[str, int]) -> dict[str, str]:
+        nodes = [w["node_id"] for w in self.where["actor"]]
+        node = nodes[rank]
+        env = {"RANK": str(rank), "WORLD_SIZE": str(len(nodes)),
+               "LOCAL_RANK": str(nodes[:rank].count(node)),
+               "LOCAL_WORLD_SIZE": str(nodes.count(node)), "LOCAL_SIZE": str(nodes.count(node)),
+               "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])}
+        if self.engines:
+            env[ENGINES_VAR] = json.dumps({"namespace": self.namespace, "names": [
+                e["name"] for e in self.where["vllm_engines"]]})
+        return env
+
+    def run(self) -> Any:
+        master = self._get([self.ranks[0].rendezvous.remote()], "actor group", "start")[0]
+        self.write_placement()
+        refs = {self.ranks[r].run.remote(self.command, self.argv, self.rank_env(r, master),
+                                         os.getcwd()): r for r in range(len(self.ranks))}
+        results: dict[int, Any] = {}
+        while len(results) < len(refs):
+            done, _ = self.ray.wait([ref for ref, r in refs.items() if r not in results],
+                                    num_returns=1, timeout=POLL_S)
+            for ref in done:
+                try:
+                    results[refs[ref]] = self.ray.get(ref)
+                except self.ray.exceptions.RayError:
+                    raise RankFailedError(self.first_failure(refs)) from None
+        return results[0]
+
+    def first_failure(self, refs: dict) -> str:
+        """The lowest failing rank's line (every rank raises the first error alike; those
+        still running are given a moment to)."""
+        self.ray.wait(list(refs), num_returns=len(refs), timeout=5)
+        for ref, rank in sorted(refs.items(), key=lambda item: item[1]):
+            try:
+                self.ray.get(ref, timeout=0)
+            except self.ray.exceptions.GetTimeoutError:
+                continue
+            except self.ray.exceptions.RayError as exc:
+                return self.failure(rank, exc)
+        raise AssertionError("no rank failed")  # not reached: one did
+
+    def failure(self, rank: int, exc: Any) -> str:
+        """One line: the group, the rank, its node, and what happened."""
+        from strategy.dist import first_line
+
+        node = self.where["actor"][rank]
+        where = f"actor group rank {rank} (node {node['ip']} {node['node_id'][:8]})"
+        if isinstance(exc, self.ray.exceptions.RayActorError):
+            return f"{where} died: {first_line(exc)}"
+        cause = getattr(exc, "cause", None) or exc
+        if isinstance(cause, StrategyError):
+            return f"{where}: {first_line(cause)}"
+        return f"{where} failed: {type(cause).__name__}: {first_line(cause)}"
+
+    def write_placement(self) -> None:
+        """``<log_dir>/placement.json``: each group's ranks or engines, node, bundle, devices."""
+        if not self.log_dir:
+            return
+        os.makedirs(self.log_dir, exist_ok=True)
+        path = os.path.join(self.log_dir, "placement.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(self.where, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+    # ------------------------------------------------------------ teardown
+    def _remove_engine_files(self) -> None:
+        """Each engine's temp folder removed on its node (a killed actor leaves it), bounded."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        remove = self.ray.remote(num_cpus=0)(remove_engine_files)
+        refs = [remove.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            place["node_id"], soft=False)).remote(place["scratch"])
+            for place in self.where["vllm_engines"] if "scratch" in place]
+        if refs:
+            self.ray.wait(refs, num_returns=len(refs), timeout=SHUTDOWN_S)
+
+    def close(self) -> None:
+        """Engines through vLLM's own shutdown (bounded), then every actor and group gone."""
+        from ray.util.placement_group import remove_placement_group
+
+        ray = self.ray
+        if self.engines:
+            refs = [engine.shutdown.remote() for engine in self.engines]
+            ray.wait(refs, num_returns=len(refs), timeout=SHUTDOWN_S)
+        for handle in self.ranks + self.engines:
+            try:
+                ray.kill(handle)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self._remove_engine_files()
+        for group in self.groups:
+            try:
+                remove_placement_group(group)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.engines, self.ranks, self.groups = [], [], []
+
+
+def local_resources(by_type: dict, temp_dir: str) -> dict:
+    """``ray.init``'s arguments for a Ray of this job's own on this machine: its CPUs, and on
+    a machine without CUDA as many logical GPUs as the placement asks (its ranks run on CPU)."""
+    import torch
+
+    asked = plan(by_type[ClusterConfig], by_type[RolloutConfig]).asked()
+    out = {"include_dashboard": False, "_temp_dir": temp_dir,
+           "num_cpus": max(int(asked.get("CPU", 0) + 0.999), os.cpu_count() or 1)}
+    if not torch.cuda.is_available() and "GPU" in asked:
+        out["num_gpus"] = int(asked["GPU"] + 0.999)
+    return out
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_on_ray(command: str, argv: list[str]) -> Any:
+    """Check, place, run and tear down ``command``'s Ray job; rank 0's result.
+
+    Raises:
+        ConfigError: a setting, Ray missing, or a placement the cluster cannot hold (before any
+            model loads).
+        RankFailedError: a rank or engine failed or died (the job's actors torn down).
+    """
+    if command not in ("grpo", "ppo"):
+        raise ConfigError(f"ray=True is invalid for {command}: Ray jobs run grpo and ppo; launch "
+                          f"{command} with torchrun (strategy {command} --nproc N)")
+    ray = require_ray()
+    by_type = configs(command, argv)
+    cluster = by_type[ClusterConfig]
+    address = cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    started = not ray.is_initialized()
+    own = tempfile.mkdtemp(prefix="strategy-ray-") if started and not address else None
+    if started:  # joined (RAY_ADDRESS, --ray_address), else a Ray of this job's own, its
+        # session folder one of ours (Ray keeps /tmp/ray/session_* otherwise)
+        ray.init(**({"address": address} if address else local_resources(by_type, own)))
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM,)}
+    job = Job(ray, command, argv, by_type)
+    try:
+        job.place()
+        return job.run()
+    finally:
+        job.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if started:
+            ray.shutdown()
+        if own:
+            shutil.rmtree(own, ignore_errors=True)

@@ -1,0 +1,306 @@
+"""vLLM engines as Ray actors (``strategy.cluster`` places them, on any node): OpenRLHF's
+engines apart from training, on vLLM's own executor inside each actor and a worker extension of
+ours for the weights (``rollout.vllm_worker``).
+
+- The actor (``VllmEngine``): placed empty by the driver, started by the training world's first
+  rank with the policy's untied config (sent as text: the engine's node need not share a disk),
+  placeholder weights until the first sync. One device: vLLM's ``uni`` executor, its engine core
+  in the actor's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); several
+  (``--vllm_tensor_parallel_size``): ``mp``, a worker process per device. An engine one of whose
+  workers raised is never called again (vLLM 0.32 answers the next call with the other worker's
+  stale reply). ``shutdown`` ends it through vLLM's own shutdown, which leaves nothing in
+  /dev/shm.
+- ``RayVllmRollout`` (every training rank; ``--vllm_num_engines N``, each engine serving
+  ``world / N`` consecutive ranks): ``sync`` streams the export's units from rank 0 to every
+  engine's workers at once (``weight_stream``: one process group, addressed by rank 0's node IP;
+  every rank still enters each gather); ``generate`` gathers an engine's ranks' rows to its
+  first rank, which asks the engine and hands each rank its own rows back. Every engine call has
+  a deadline (``--vllm_timeout``); an engine that died or raised is one line on every rank naming
+  the engine, its node and the call.
+
+The driver names the engines in the ranks' environment (``ENGINES_VAR``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from strategy.dist import checked, first_line, free_port
+from strategy.model import base_model
+from strategy.rollout.config import ENGINES_VAR, RolloutConfig
+from strategy.rollout.vllm_checks import check_engine_split, check_head_size
+from strategy.rollout.vllm_engine import (
+    EnginePeers,
+    Requests,
+    VllmRollout,
+    deadline,
+    draw_seeds,
+    engine_failure,
+    prompt_rows,
+    run_requests,
+    scratch_dir,
+    start_llm,
+    untied_config,
+    with_completions,
+)
+from strategy.rollout.weight_stream import send_weights, weight_group
+
+EXTENSION = "strategy.rollout.vllm_worker.WeightSyncExtension"
+GENERATION_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
+                   "eos_token_id", "pad_token_id")
+
+
+def generation_settings(generation_config: GenerationConfig) -> dict[str, Any]:
+    """What the engine needs of a ``GenerationConfig``, as plain values."""
+    return {key: getattr(generation_config, key, None) for key in GENERATION_KEYS}
+
+
+def engine_env(tp: int) -> dict[str, str]:
+    """An engine actor's own environment (Ray's ``runtime_env``): its engine core in its process
+    at one device; at several on CPU, one core bound to each worker (vLLM refuses to bind
+    several workers otherwise)."""
+    env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    if tp == 1:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    elif not torch.cuda.is_available():
+        cores = os.cpu_count() or 1
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(tp))
+    return env
+
+
+class VllmEngine:
+    """One vLLM engine in a Ray actor (made remote by ``strategy.cluster``)."""
+
+    def __init__(self, index: int, tp: int) -> None:
+        self.index, self.tp = index, tp
+        self.llm: Any = None
+        self.broken: str | None = None
+        # the engine's temp files (vLLM's file store, vllm_dist_*) in a folder of its own, which
+        # the driver removes on this node when the actor was killed (``remove_engine_files``)
+        self.scratch = tempfile.mkdtemp(prefix="strategy-vllm-engine-")
+        os.environ["TMPDIR"] = self.scratch
+        tempfile.tempdir = None  # read TMPDIR again
+
+    def where(self) -> dict:
+        """Where Ray placed this engine: node id and address, devices, process, temp folder."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "devices": [str(d) for d in context.get_accelerator_ids().get("GPU", [])],
+                "pid": os.getpid(), "scratch": self.scratch}
+
+    def start(self, config_json: str, dtype: str, rollout: dict, max_model_len: int,
+              seed: int) -> None:
+        """The engine for the model ``config_json`` describes, placeholder weights."""
+        config = RolloutConfig(**{**rollout, "is_correction_threshold": tuple(
+            rollout["is_correction_threshold"])})
+        with scratch_dir() as directory:  # read at start only
+            with open(os.path.join(directory, "config.json"), "w") as f:
+                f.write(config_json)
+            self.llm = start_llm(directory, getattr(torch, dtype), config, max_model_len, seed,
+                                 executor="uni" if self.tp == 1 else "mp", extension=EXTENSION)
+
+    def _checked(self, fn: Any, *args: Any) -> Any:
+        if self.broken is not None:
+            raise RuntimeError(f"it failed before ({self.broken}) and is not called again")
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.broken = first_line(exc)
+            raise
+
+    def join_weights(self, host: str, port: int, first: int, size: int,
+                     seconds: float) -> list[int]:
+        """Each worker joins the sync's group (ranks ``first``..); the ranks they took."""
+        return self._checked(self.llm.collective_rpc, "strategy_join",
+                             None, (host, port, first, size, seconds))
+
+    def receive_weights(self) -> None:
+        """One sync's stream, into every worker; the prefix cache then reset."""
+        self._checked(self.llm.collective_rpc, "strategy_receive")
+        self.llm.reset_prefix_cache()
+
+    def generate(self, prompts: list[list[int]], seeds: list[int],
+                 settings: dict) -> tuple[list[list[int]], list[list[float]]]:
+        """Each prompt's completion tokens and their log-probs."""
+        return self._checked(run_requests, self.llm, prompts, seeds,
+                             GenerationConfig(**settings))
+
+    def shutdown(self) -> None:
+        """End the engine through vLLM's own shutdown (its processes and shared memory), then
+        its temp folder."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def remove_engine_files(scratch: str) -> None:
+    """What an engine actor killed on this node left: its temp folder (a Ray task the driver
+    runs there after the actor is gone)."""
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def engine_names() -> dict | None:
+    """The driver's engines for this job (``ENGINES_VAR``), or None outside a Ray job."""
+    value = os.environ.get(ENGINES_VAR)
+    return json.loads(value) if value else None
+
+
+class RayVllmRollout(VllmRollout):
+    """The driver's vLLM engine actors, each shared by ``world / N`` consecutive ranks (every
+    rank constructs this alike: it is collective).
+
+    Args:
+        engine: the policy's training engine (any ZeRO stage; a PEFT model is merged).
+        config: the ``RolloutConfig``.
+        max_model_len: the longest prompt + completion it will see.
+        seed: the first engine's seed (engine i: seed + i).
+    """
+
+    def __init__(self, engine: Any, config: RolloutConfig, max_model_len: int,
+                 seed: int) -> None:
+        import ray
+
+        self.source, self.config = engine.module, config
+        self.rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        spec = engine_names()
+        self.names = spec["names"]
+        self.engines = [ray.get_actor(name, namespace=spec["namespace"]) for name in self.names]
+        self.per = world // len(self.engines)
+        self.first = self.rank - self.rank % self.per  # the rank that asks this rank's engine
+        self._peers = EnginePeers(self.per)
+        model = base_model(self.source)
+        check_head_size(model.config)
+        check_engine_split(model.config, config.vllm_tensor_parallel_size)
+        untied, self._tied = untied_config(model)
+        self._group: Any = None  # the sync's process group, on rank 0
+        checked(self._start, untied.to_json_string(), str(next(self.source.parameters()).dtype),
+                max_model_len, seed, make=engine_failure(self.describe, "start"))
+        self._prepare_stream()
+
+    def describe(self, rank: int) -> str:
+        first = rank - rank % self.per
+        return (f"vLLM engine {rank // self.per} (Ray actor {self.names[rank // self.per]}, "
+                f"serving ranks {first}-{first + self.per - 1})")
+
+    def _get(self, refs: list, call: str) -> list:
+        """The engines' answers, within ``--vllm_timeout``; a dead engine, an error in one or a
+        wait past the deadline as one line naming the engine and its node."""
+        import ray
+
+        out = []
+        for index, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref, timeout=self.config.vllm_timeout))
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"engine {index} did not answer {call} within "
+                                   f"--vllm_timeout={self.config.vllm_timeout:g} s") from None
+            except ray.exceptions.RayActorError as exc:
+                raise ConnectionError(f"engine {index}'s actor died in {call} "
+                                      f"({first_line(exc)})") from None
+            except ray.exceptions.RayTaskError as exc:
+                cause = exc.cause if exc.cause is not None else exc
+                raise RuntimeError(f"engine {index} failed in {call}: "
+                                   f"{type(cause).__name__}: {first_line(cause)}") from None
+        return out
+
+    def _start(self, config_json: str, dtype: str, max_model_len: int, seed: int) -> None:
+        """On rank 0: every engine started, then the sync's group joined by all their
+        workers."""
+        import ray
+
+        if self.rank != 0:
+            return
+        dtype = dtype.removeprefix("torch.")
+        self._get([e.start.remote(config_json, dtype, asdict(self.config), max_model_len,
+                                  seed + i) for i, e in enumerate(self.engines)], "start")
+        tp, host, port = self.config.vllm_tensor_parallel_size, ray.util.get_node_ip_address(), \
+            free_port()
+        size = 1 + len(self.engines) * tp
+        joined = [e.join_weights.remote(host, port, 1 + i * tp, size, self.config.vllm_timeout)
+                  for i, e in enumerate(self.engines)]
+        with deadline(self.config.vllm_timeout, "the vLLM engines' weight group (start)"):
+            self._group = weight_group(port, 0, size, self.config.vllm_timeout, host=host)
+        self._get(joined, "start")
+
+    def _sync(self) -> None:
+        import ray
+
+        refs = [e.receive_weights.remote() for e in self.engines] if self.rank == 0 else []
+        if refs:  # an engine already gone fails now, not at the group's timeout
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.2)
+            self._get(done, "sync")
+        stream = self._weights(copy=False)  # every rank enters every gather
+        if self.rank == 0:
+            try:
+                send_weights(self._group, stream)
+            except Exception:  # an engine gone mid-stream: that, not the broken pipe
+                self._get(refs, "sync")
+                raise
+        else:
+            for _ in stream:
+                pass
+        self._get(refs, "sync")
+
+    def _ask(self, requests: Requests, generation_config: GenerationConfig) -> Any:
+        """On an engine's first rank: its request under way (a Ray reference)."""
+        if self.rank != self.first:
+            return None
+        return self.engines[self.rank // self.per].generate.remote(
+            requests.prompts, requests.seeds, generation_settings(generation_config))
+
+    def _answer(self, ref: Any) -> Any:
+        """The engine's answer to ``_ask`` (every rank alike: an error is raised on all)."""
+        return self._call("generate", lambda: self._get([ref], "generate")[0]
+                          if ref is not None else None)
+
+    def _rows(self, answer: Any, requests: Requests, input_ids: torch.Tensor,
+              generation_config: GenerationConfig) -> torch.Tensor:
+        """This rank's rows of its engine's answer (handed on from the engine's first rank)."""
+        tokens, logprobs = self._peers.spread(answer)
+        rows = slice(requests.start, requests.start + input_ids.shape[0])
+        self.logprobs = logprobs[rows]
+        return with_completions(input_ids, tokens[rows], generation_config.pad_token_id)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 generation_config: GenerationConfig, group: int = 1) -> torch.Tensor:
+        seeds = draw_seeds(input_ids.shape[0])
+        requests = self._peers.share(prompt_rows(input_ids, attention_mask), seeds)
+        answer = self._answer(self._ask(requests, generation_config))
+        return self._rows(answer, requests, input_ids, generation_config)
+
+    def start_generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       generation_config: GenerationConfig) -> RayAhead:
+        seeds = draw_seeds(input_ids.shape[0])
+        requests = self._peers.share(prompt_rows(input_ids, attention_mask), seeds)
+        return RayAhead(self, self._ask(requests, generation_config),
+                        (requests, input_ids, generation_config))
+
+
+class RayAhead:
+    """A generation running in its engine's actor while the step before trains (``Ahead``'s
+    interface): ``join`` waits for it (within the deadline), ``wait`` (collective) gives
+    ``(output, log-probs)``."""
+
+    def __init__(self, rollout: RayVllmRollout, ref: Any, request: tuple) -> None:
+        self.rollout, self.ref, self.request = rollout, ref, request
+
+    def join(self) -> None:
+        import ray
+
+        if self.ref is not None:
+            ray.wait([self.ref], timeout=self.rollout.config.vllm_timeout)
+
+    def wait(self) -> tuple[torch.Tensor, list[list[float]] | None]:
+        out = self.rollout._rows(self.rollout._answer(self.ref), *self.request)
+        return out, self.rollout.logprobs

