@@ -151,40 +151,60 @@ def _history(root, name: str) -> list[dict]:
 
 @needs_ray
 @pytest.mark.slow
-def test_grpo_across_two_nodes_equals_the_torchrun_path(cluster, toy):
-    """GRPO at ZeRO-3 (KL to a reference in the actor's ranks), OpenRLHF's flags: the actor
-    group's 2 ranks on one node, a vLLM engine actor on the other (placement.json says where),
-    gives per-step losses, rewards, KL and the export of the torchrun path's engine of its own
+@pytest.mark.parametrize("case", ["two_nodes", "colocated_async"])
+def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
+    """GRPO at ZeRO-3 (KL to a reference in the actor's ranks), OpenRLHF's flags, gives
+    per-step losses, rewards, KL and the export of the torchrun path's engine of its own
     (``--vllm_num_engines 1``, same seeds) to 1e-6; the engine's log-probs agree with the
-    trainer's after every sync (the weights arrived)."""
+    trainer's after every sync (the weights arrived). ``two_nodes``: the actor group's 2 ranks
+    on one node, the vLLM engine actor on the other (placement.json says where).
+    ``colocated_async``: the engine in rank 0's bundle (``--train.colocate_all``), each rollout
+    generated in the engine's actor while the step before trains (``--train.async_enable``),
+    against torchrun's ``--async_rollouts 1``."""
     from safetensors.torch import load_file
 
     from tests.support.helpers import run_job, torchrun_command
 
+    placement = {"two_nodes": [], "colocated_async": ["--train.colocate_all",
+                                                      "--train.async_enable"]}[case]
+    extra = {"async_rollouts": 1} if case == "colocated_async" else {}
+    name = f"ray_{case}"
     job = _ray_job(cluster, ["--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2",
                              "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
-                             "--algo.advantage.estimator", "group_norm",
-                             *_flags(toy, "ray", vllm_num_engines=None)])
+                             "--algo.advantage.estimator", "group_norm", *placement,
+                             *_flags(toy, name, vllm_num_engines=None)])
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
-    where = json.loads((toy / "ray" / "logs" / "placement.json").read_text())
+    where = json.loads((toy / name / "logs" / "placement.json").read_text())
     actor_nodes = {rank["node_id"] for rank in where["actor"]}
     assert [rank["rank"] for rank in where["actor"]] == [0, 1] and len(actor_nodes) == 1
     assert len(where["vllm_engines"]) == 1
-    assert where["vllm_engines"][0]["node_id"] not in actor_nodes  # the other node
+    engine = where["vllm_engines"][0]
+    if case == "two_nodes":
+        assert engine["node_id"] not in actor_nodes  # the other node
+    else:
+        assert (engine["node_id"], engine["bundle"]) == (where["actor"][0]["node_id"],
+                                                         where["actor"][0]["bundle"])
     assert all(len(place["devices"]) == 1 for place in where["actor"] + where["vllm_engines"])
 
-    ref = run_job(torchrun_command("-m", "strategy.cli.train_grpo", *_flags(toy, "torchrun")),
-                  timeout=400)
+    ref_name = f"torchrun_{case}"
+    ref = run_job(torchrun_command("-m", "strategy.cli.train_grpo",
+                                   *_flags(toy, ref_name, **extra)), timeout=400)
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
-    ray_rows, ref_rows = _history(toy, "ray"), _history(toy, "torchrun")
+    ray_rows, ref_rows = _history(toy, name), _history(toy, ref_name)
+    if case == "colocated_async":
+        assert [r["train/staleness"] for r in ray_rows] == [0.0, 1.0, 1.0]
     assert [r["step"] for r in ray_rows] == [r["step"] for r in ref_rows] == [1, 2, 3]
     for ours, theirs in zip(ray_rows, ref_rows):
         for key in ("train/loss", "train/reward", "train/kl", "train/grad_norm",
                     "train/completion_length"):
             assert ours[key] == pytest.approx(theirs[key], abs=1e-6), (ours["step"], key)
-        assert ours["train/engine_logprob_diff_max"] < 1e-4, ours
+        # the engine's log-probs as torchrun's engine gave them (async: one update behind)
+        assert ours["train/engine_logprob_diff"] == pytest.approx(
+            theirs["train/engine_logprob_diff"], abs=1e-5), ours["step"]
+        if case == "two_nodes" or ours["train/staleness"] == 0:
+            assert ours["train/engine_logprob_diff_max"] < 1e-4, ours
     assert ray_rows[-1]["train/loss"] != ray_rows[0]["train/loss"]
-    a, b = (load_file(toy / name / "model" / "model.safetensors") for name in ("ray", "torchrun"))
+    a, b = (load_file(toy / n / "model" / "model.safetensors") for n in (name, ref_name))
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
