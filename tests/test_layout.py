@@ -44,6 +44,7 @@ LAYERS = {
     "deepspeed_strategy": 8,
     "trainers": 9,
     "demos": 10,
+    "cluster": 10.5,  # a Ray job's driver: runs the trainers' commands on Ray actors
     "cli": 11,
 }
 

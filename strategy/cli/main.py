@@ -156,11 +156,12 @@ def main(argv: list[str] | None = None) -> None:
 def run_ray_job(command: str, argv: list[str]) -> None:
     """``strategy <trainer> --ray ...``: the job on Ray, driven from here; exit 0, or one line
     and exit 2 (a setting, a placement) or 1 (a rank or engine failed)."""
-    from strategy.cluster import run_on_ray
+    from strategy.cli.trainers import command_argv  # deferred: importing trainers takes seconds
+    from strategy.cluster import run_on_ray  # deferred: Ray jobs only
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        run_on_ray(command, argv)
+        run_on_ray(command, command_argv(argv, command))
     except StrategyError as error:
         sys.stderr.write(f"error: {error}\n")
         raise SystemExit(1 if isinstance(error, RankFailedError) else 2) from None

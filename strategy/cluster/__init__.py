@@ -14,13 +14,13 @@ May import: ``strategy.errors``, ``strategy.config``, ``strategy.rollout``, ``st
 (the commands its ranks run), and Ray (the optional extra), only once a Ray job runs.
 """
 
-from strategy.cluster.config import ClusterConfig
+from strategy.config.cluster import ClusterConfig
 
 __all__ = ["ClusterConfig", "run_on_ray"]
 
 
 def run_on_ray(command: str, argv: list[str]):
     """``driver.run_on_ray``: ``command``'s job on Ray; rank 0's result."""
-    from strategy.cluster.driver import run_on_ray as run
+    from strategy.cluster.driver import run_on_ray as run  # imports Ray's pieces, trainers
 
     return run(command, argv)

@@ -10,6 +10,7 @@ A failure is one line naming the group, the rank (or engine) and its node.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -18,7 +19,8 @@ import tempfile
 import time
 from typing import Any
 
-from strategy.cluster.config import ClusterConfig
+import torch
+
 from strategy.cluster.placement import (
     actor_share,
     check_fits,
@@ -27,6 +29,8 @@ from strategy.cluster.placement import (
     require_ray,
     reserve,
 )
+from strategy.config.cluster import ClusterConfig
+from strategy.dist import first_line, free_port
 from strategy.errors import ConfigError, RankFailedError, StrategyError
 from strategy.rollout.config import ENGINES_VAR, RolloutConfig
 from strategy.rollout.vllm_ray import VllmEngine, engine_env, remove_engine_files
@@ -41,7 +45,7 @@ class TrainingRank:
     rank would (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``)."""
 
     def where(self) -> dict:
-        import ray
+        import ray  # the optional extra: a Ray job only
 
         context = ray.get_runtime_context()
         return {"node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(),
@@ -50,16 +54,12 @@ class TrainingRank:
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port on it (rank 0's, for the group's store)."""
-        import ray
-
-        from strategy.dist import free_port
+        import ray  # the optional extra: a Ray job only
 
         return ray.util.get_node_ip_address(), free_port()
 
     def run(self, command: str, argv: list[str], env: dict[str, str], cwd: str) -> Any:
         """The trainer's command, this actor being one of its ranks; its result."""
-        import importlib
-
         os.environ.update(env)
         if os.path.isdir(cwd):  # the driver's folder, where this node sees it (relative paths)
             os.chdir(cwd)
@@ -68,13 +68,18 @@ class TrainingRank:
 
 
 def configs(command: str, argv: list[str]) -> dict:
-    """Every setting of ``command`` checked as its ranks will (the actor group's world size)."""
-    from strategy.cli.trainers import TRAINERS, command_argv
-    from strategy.config.cli import parse_configs
-    from strategy.trainers.run import CONFIG_CLASSES, Run, foreign_flags, hidden_flags
+    """Every setting of ``command`` checked as its ranks will (the actor group's world size);
+    ``argv`` in our spellings (``cli.trainers.command_argv``)."""
+    from strategy.config.cli import parse_configs  # heavy: trainers, at a job's start only
+    from strategy.trainers.run import (  # as above
+        CONFIG_CLASSES,
+        Run,
+        commands,
+        foreign_flags,
+        hidden_flags,
+    )
 
-    trainer = TRAINERS[command][0]
-    argv = command_argv(argv, command)
+    trainer = commands()[command]
     parsed, _ = parse_configs(list(CONFIG_CLASSES + tuple(trainer.config_classes)), argv,
                               None, foreign_flags(trainer), hidden_flags(trainer))
     cluster = next(c for c in parsed if isinstance(c, ClusterConfig))
@@ -118,7 +123,9 @@ class Job:
 
     def _options(self, group: Any, bundle: int, resources: dict, share: float,
                  env: dict[str, str]) -> dict:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import (  # the optional extra
+            PlacementGroupSchedulingStrategy,  # the optional extra: a Ray job only
+        )
 
         return {**actor_share(self.cluster, resources, share),
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -211,8 +218,6 @@ class Job:
 
     def failure(self, rank: int, exc: Any) -> str:
         """One line: the group, the rank, its node, and what happened."""
-        from strategy.dist import first_line
-
         node = self.where["actor"][rank]
         where = f"actor group rank {rank} (node {node['ip']} {node['node_id'][:8]})"
         if isinstance(exc, self.ray.exceptions.RayActorError):
@@ -235,7 +240,9 @@ class Job:
     # ------------------------------------------------------------ teardown
     def _remove_engine_files(self) -> None:
         """Each engine's temp folder removed on its node (a killed actor leaves it), bounded."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from ray.util.scheduling_strategies import (  # the optional extra
+            NodeAffinitySchedulingStrategy,  # the optional extra: a Ray job only
+        )
 
         remove = self.ray.remote(num_cpus=0)(remove_engine_files)
         refs = [remove.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
@@ -246,7 +253,9 @@ class Job:
 
     def close(self) -> None:
         """Engines through vLLM's own shutdown (bounded), then every actor and group gone."""
-        from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import (  # the optional extra
+            remove_placement_group,  # the optional extra: a Ray job only
+        )
 
         ray = self.ray
         if self.engines:
@@ -269,8 +278,6 @@ class Job:
 def local_resources(by_type: dict, temp_dir: str) -> dict:
     """``ray.init``'s arguments for a Ray of this job's own on this machine: its CPUs, and on
     a machine without CUDA as many logical GPUs as the placement asks (its ranks run on CPU)."""
-    import torch
-
     asked = plan(by_type[ClusterConfig], by_type[RolloutConfig]).asked()
     out = {"include_dashboard": False, "_temp_dir": temp_dir,
            "num_cpus": max(int(asked.get("CPU", 0) + 0.999), os.cpu_count() or 1)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from strategy.cluster.config import ClusterConfig
+from strategy.config.cluster import ClusterConfig
 from strategy.errors import ConfigError
 from strategy.rollout.config import RolloutConfig
 
@@ -18,7 +18,7 @@ INSTALL = "pip install '.[ray]'"
 def require_ray() -> Any:
     """The ``ray`` module, or one line naming the extra."""
     try:
-        import ray
+        import ray  # the optional extra: a Ray job only
     except ImportError:
         raise ConfigError(f"ray=True is invalid: Ray is not installed; {INSTALL} (or launch "
                           "with torchrun: strategy <trainer> --nproc N)") from None
@@ -102,7 +102,7 @@ def reserve(ray: Any, bundles: list[dict[str, float]], strategy: str, timeout: f
             what: str) -> Any:
     """A placement group of ``bundles``, ready within ``timeout`` s, or one line (it is removed
     first)."""
-    from ray.util.placement_group import (
+    from ray.util.placement_group import (  # the optional extra: a Ray job only
         placement_group,
         placement_group_table,
         remove_placement_group,
@@ -124,7 +124,7 @@ def reserve(ray: Any, bundles: list[dict[str, float]], strategy: str, timeout: f
 def ordered_bundles(ray: Any, group: Any) -> list[tuple[int, str, str]]:
     """The group's bundles as ``(bundle index, node id, node address)``, ordered by node (the
     node of bundle 0 first), then bundle: consecutive ranks share a node."""
-    from ray.util.placement_group import placement_group_table
+    from ray.util.placement_group import placement_group_table  # the optional extra: a Ray job only
 
     nodes = placement_group_table(group)["bundles_to_node_id"]
     address = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}

@@ -52,9 +52,9 @@ def vllm_rollout(engine, config, max_model_len: int, seed: int) -> RolloutEngine
         max_model_len: the longest prompt + completion.
         seed: this rank's engine's seed (an engine's ranks alike).
     """
-    from strategy.rollout.vllm_engine import VllmRollout
-    from strategy.rollout.vllm_ray import RayVllmRollout, engine_names
-    from strategy.rollout.vllm_remote import RemoteVllmRollout
+    from strategy.rollout.vllm_engine import VllmRollout  # vLLM's layer: only once asked for
+    from strategy.rollout.vllm_ray import RayVllmRollout, engine_names  # as above
+    from strategy.rollout.vllm_remote import RemoteVllmRollout  # as above
 
     if not config.vllm_num_engines:
         return VllmRollout(engine, config, max_model_len, seed)

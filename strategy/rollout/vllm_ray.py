@@ -91,7 +91,7 @@ class VllmEngine:
 
     def where(self) -> dict:
         """Where Ray placed this engine: node id and address, devices, process, temp folder."""
-        import ray
+        import ray  # the optional extra: a Ray job only
 
         context = ray.get_runtime_context()
         return {"node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(),
@@ -169,7 +169,7 @@ class RayVllmRollout(VllmRollout):
 
     def __init__(self, engine: Any, config: RolloutConfig, max_model_len: int,
                  seed: int) -> None:
-        import ray
+        import ray  # the optional extra: a Ray job only
 
         self.source, self.config = engine.module, config
         self.rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -196,7 +196,7 @@ class RayVllmRollout(VllmRollout):
     def _get(self, refs: list, call: str) -> list:
         """The engines' answers, within ``--vllm_timeout``; a dead engine, an error in one or a
         wait past the deadline as one line naming the engine and its node."""
-        import ray
+        import ray  # the optional extra: a Ray job only
 
         out = []
         for index, ref in enumerate(refs):
@@ -217,7 +217,7 @@ class RayVllmRollout(VllmRollout):
     def _start(self, config_json: str, dtype: str, max_model_len: int, seed: int) -> None:
         """On rank 0: every engine started, then the sync's group joined by all their
         workers."""
-        import ray
+        import ray  # the optional extra: a Ray job only
 
         if self.rank != 0:
             return
@@ -234,7 +234,7 @@ class RayVllmRollout(VllmRollout):
         self._get(joined, "start")
 
     def _sync(self) -> None:
-        import ray
+        import ray  # the optional extra: a Ray job only
 
         refs = [e.receive_weights.remote() for e in self.engines] if self.rank == 0 else []
         if refs:  # an engine already gone fails now, not at the group's timeout
@@ -296,7 +296,7 @@ class RayAhead:
         self.rollout, self.ref, self.request = rollout, ref, request
 
     def join(self) -> None:
-        import ray
+        import ray  # the optional extra: a Ray job only
 
         if self.ref is not None:
             ray.wait([self.ref], timeout=self.rollout.config.vllm_timeout)

@@ -52,8 +52,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from strategy.agents import load_agent
-from strategy.cluster.config import ClusterConfig
 from strategy.config import StrategyConfig
+from strategy.config.cluster import ClusterConfig
 from strategy.errors import fail
 from strategy.rollout.config import RolloutConfig
 from strategy.rollout.vllm_checks import check_vllm_settings

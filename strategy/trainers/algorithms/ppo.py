@@ -29,8 +29,8 @@ import torch
 from transformers import AutoConfig, AutoModelForTokenClassification
 from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
 
-from strategy.cluster.config import ClusterConfig
 from strategy.config import StrategyConfig
+from strategy.config.cluster import ClusterConfig
 from strategy.errors import ConfigError, fail
 from strategy.model import hf_config
 from strategy.rollout.config import RolloutConfig
