@@ -51,18 +51,10 @@ from strategy.rollout.vllm_engine import (
     untied_config,
     with_completions,
 )
+from strategy.rollout.vllm_server import generation_settings
 from strategy.rollout.weight_stream import send_weights, weight_group
 
 EXTENSION = "strategy.rollout.vllm_worker.WeightSyncExtension"
-GENERATION_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
-                   "eos_token_id", "pad_token_id")
-
-
-def generation_settings(generation_config: GenerationConfig) -> dict[str, Any]:
-    """What the engine needs of a ``GenerationConfig``, as plain values."""
-    return {key: getattr(generation_config, key, None) for key in GENERATION_KEYS}
-
-
 def engine_env(tp: int) -> dict[str, str]:
     """An engine actor's own environment (Ray's ``runtime_env``): its engine core in its process
     at one device; at several on CPU, one core bound to each worker (vLLM refuses to bind

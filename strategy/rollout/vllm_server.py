@@ -32,7 +32,7 @@ import signal
 import sys
 from datetime import timedelta
 from multiprocessing.connection import Connection, Listener
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from transformers import GenerationConfig
@@ -41,7 +41,7 @@ from strategy.dist import first_line
 from strategy.internals import unlink_cpu_shm
 from strategy.rollout.config import RolloutConfig
 from strategy.rollout.vllm_engine import run_requests, shm_prefix, start_llm
-from strategy.rollout.weight_stream import broadcast, weight_group, wire_device
+from strategy.rollout.weight_stream import WeightStream, broadcast, weight_group, wire_device
 
 MARK = "[strategy vllm engine] "  # starts the line the parent waits for (imports may print)
 GENERATION_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
@@ -105,32 +105,21 @@ class EngineGroup:
         return None
 
 
-class TensorStream:
+class TensorStream(WeightStream):
     """A sync's tensors, up to the stream's end marker, as ``send_tensor`` sent them: each
     header read from ``conn`` by the first process (handed on to the others), each tensor
-    broadcast to all of them."""
+    broadcast to all of them (``WeightStream``'s iteration and drain, headers from ``conn``)."""
 
     def __init__(self, conn: Connection | None, group: EngineGroup) -> None:
-        self.conn, self.group, self.ended = conn, group, False
+        super().__init__(group.weights)
+        self.conn, self.engine = conn, group
 
     def _next(self) -> tuple[str, torch.Tensor] | None:
-        header = self.group.share(self.conn.recv() if self.conn is not None else None)
+        header = self.engine.share(self.conn.recv() if self.conn is not None else None)
         if header[0] == "end":
             self.ended = True
             return None
-        return header[1], self.group.tensor(header)
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        while not self.ended:
-            item = self._next()
-            if item is not None:
-                yield item
-
-    def drain(self) -> None:
-        """Read what is left unread (a reload that failed part way), so the next call lines
-        up on every process."""
-        while not self.ended:
-            self._next()
+        return header[1], self.engine.tensor(header)
 
 
 def run_call(llm: Any, group: EngineGroup, call: tuple, conn: Connection | None) -> Any:
