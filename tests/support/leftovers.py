@@ -15,6 +15,18 @@ SESSION_VAR = "STRATEGY_TEST_SESSION"
 SHM = "/dev/shm"
 
 
+def _mapped_here(path: str) -> bool:
+    """Whether this process maps ``path``'s file. Matched by inode: glibc creates a named
+    semaphore under a temporary name, maps it, links it to its name and unlinks the temporary,
+    so the creator's map shows ``sem.XXXXXX (deleted)``, never ``sem.mp-...``."""
+    try:
+        inode = os.stat(path).st_ino
+    except OSError:
+        return False
+    with open("/proc/self/maps") as f:
+        return any(SHM + "/" in line and int(line.split()[4]) == inode for line in f)
+
+
 class Leftovers:
     """A session's marker and temp root, set up in this process's environment, and what it had
     in /dev/shm before it started."""
@@ -55,9 +67,7 @@ class Leftovers:
         """/dev/shm entries made since the session started, but those this process still maps
         (its own queues' semaphores, freed at its exit)."""
         now = set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
-        with open("/proc/self/maps") as f:
-            mapped = {line.split(SHM + "/", 1)[1].strip() for line in f if SHM + "/" in line}
-        return sorted(now - self.shm_before - mapped)
+        return sorted(n for n in now - self.shm_before if not _mapped_here(os.path.join(SHM, n)))
 
     def temp(self) -> list[str]:
         """What is left in the session's temp root, pytest's own folders and torch's compile
