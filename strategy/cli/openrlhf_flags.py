@@ -109,6 +109,8 @@ DOTTED: dict[str, tuple[str, ...]] = {
     "model.model_name_or_path": ("--pretrain", "{}"),
     "actor.model_name_or_path": ("--pretrain", "{}"),
     "ref.model_name_or_path": ("--ref_pretrain", "{}"),  # default --pretrain, both
+    "reward.remote_url": ("--remote_rm_url", "{}"),  # a reward_func file or server URLs
+    "data.label_key": ("--label_key", "{}"),  # the labels OpenRLHF's rewards get
     "reward.model_name_or_path": ("--reward_pretrain", "{}"),  # one model here (OpenRLHF: a list)
     # default the reward model, else the policy, both
     "critic.model_name_or_path": ("--critic_pretrain", "{}"),
@@ -327,11 +329,6 @@ REFUSED: dict[str, str] = {
                          "default); clip in --reward_fn",
     "algo.advantage.no_std_norm": "whitening here always divides by the std; --advantage_estimator "
                                   "dr_grpo is the group mean alone",
-    "reward.remote_url": "no remote or file reward here: --reward_fn module:function, or "
-                         "--reward_pretrain DIR",
-    "data.label_key": "reward functions get the whole row (f(prompt, completion, row)): read the "
-                      "label there; --output_key is the eval exact_match answer and an "
-                      "agent's label",
     "eval.temperature": "held-out prompts are decoded greedily here, one completion each",
     "eval.n_samples_per_prompt": "held-out prompts are decoded greedily here, one completion each",
     # ---- vision-language

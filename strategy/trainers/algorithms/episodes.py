@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from strategy.errors import DataError
-from strategy.trainers.algorithms.rewards import finite_number
+from strategy.trainers.algorithms.remote_reward import finite_number
 
 # rows of context -> (each row's new tokens up to its end, their engine log-probs or None)
 Generate = Callable[[list[list[int]], int], tuple[list[list[int]], list[list[float]] | None]]

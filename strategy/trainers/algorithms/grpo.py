@@ -63,6 +63,7 @@ from strategy.trainers.algorithms.completions import longest_prompt, sampling_rn
 from strategy.trainers.algorithms.episodes import EpisodeRunner
 from strategy.trainers.algorithms.experience import ExperienceMaker
 from strategy.trainers.algorithms.policy_update import PolicyUpdate
+from strategy.trainers.algorithms.remote_reward import check_remote
 from strategy.trainers.algorithms.rewards import load_reward_fn
 from strategy.trainers.config import DataConfig, GRPOConfig, ModelConfig, TrainConfig
 from strategy.trainers.data import PROMPTS
@@ -175,8 +176,10 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
                    configs[DataConfig].max_len, world_size)
         check_rollout(configs[RolloutConfig], grpo, world_size)
         for spec in grpo.reward_names():
-            if spec != "model":
+            if spec not in ("model", "remote"):
                 load_reward_fn(spec)  # importable and callable, or one line now
+        if grpo.remote_rm_url:
+            check_remote(grpo.remote_rm_url)  # a reward_func file or server URLs, or one line
         if grpo.agent_func_path:
             load_agent(grpo.agent_func_path)  # an environment class, or one line now
         if grpo.tools:

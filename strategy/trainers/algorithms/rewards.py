@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
-import numbers
 import os
 import queue
 import subprocess
@@ -34,6 +32,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from strategy.errors import DataError, fail
+from strategy.trainers.algorithms.remote_reward import OpenRLHFReward, finite_number
 from strategy.trainers.losses import sequence_scores
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reward_worker.py")
@@ -56,16 +55,6 @@ def load_reward_fn(spec: str) -> Callable[..., Any]:
     if not callable(fn):
         fail("reward_fn", spec, f"{module_name} has no callable {attr!r}")
     return fn
-
-
-def finite_number(value: Any) -> float | None:
-    """``value`` as a float when it is a finite real number (a one-element tensor's too; not a
-    bool), else None."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        return None
-    return float(value)
 
 
 def checked_reward(value: Any, prompt: str, spec: str) -> float:
@@ -197,6 +186,8 @@ class Rewards:
             extra = (ended,) if getattr(fn, "scores_eos", False) and ended is not None else ()
             scores = fn(prompts, completions, rows, *extra)
             self.last[name] = scores
+            self.last.update({f"{name}_{key}": values  # OpenRLHF's scores and extra logs
+                              for key, values in getattr(fn, "logs", {}).items()})
             total = [t + weight * s for t, s in zip(total, scores)]
         return total
 
@@ -246,7 +237,10 @@ def build_rewards(run: Any, grpo: Any) -> Rewards:
     """
     parts = []
     for name, weight in zip(grpo.reward_names(), grpo.weights()):
-        if name == "model" and grpo.reward_pretrain:
+        if name == "remote":
+            scorer = OpenRLHFReward(grpo.remote_rm_url, run.tokenizer.eos_token,
+                                    run.data.label_key)
+        elif name == "model" and grpo.reward_pretrain:
             model = run.strategy.from_pretrained(grpo.reward_pretrain,
                                                  AutoModelForSequenceClassification, frozen=True)
             tokenizer = AutoTokenizer.from_pretrained(grpo.reward_pretrain)

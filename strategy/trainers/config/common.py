@@ -129,8 +129,9 @@ class DataConfig:
     completion_key: str = doc("KTO: field holding the completion", "completion",
                               trainers=("kto",))
     label_key: str = doc("KTO: field holding the label (true: desirable); a row with --chosen_key "
-                         "and --rejected_key instead gives one completion of each", "label",
-                         trainers=("kto",))
+                         "and --rejected_key instead gives one completion of each. GRPO/PPO: "
+                         "the field whose value --remote_rm_url gets as each query's label "
+                         "('' where a row has none)", "label", trainers=("kto", "grpo", "ppo"))
     messages_key: str = doc("SFT: field holding a chat (a list of role/content turns); rows with "
                             "it are rendered with the tokenizer's chat template", "messages",
                             trainers=("sft", "distill"))

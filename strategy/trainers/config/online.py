@@ -32,9 +32,14 @@ class GRPOConfig:
                                 "f.batched = True, f(prompts, completions, rows) -> floats)", None)
     reward_pretrain: str | None = doc("GRPO: reward model directory (AutoModelForSequence"
                                       "Classification, 1 label), alone or with --reward_fn", None)
+    remote_rm_url: str | None = doc(
+        "GRPO: OpenRLHF's reward source (its --reward.remote_url): a Python file defining "
+        "reward_func(queries, prompts, labels) -> {'rewards', 'scores', 'extra_logs'}, or reward "
+        "server URLs, comma-separated, answering POST {query, prompts, labels} so (python -m "
+        "strategy.cli.serve_rm); labels from --label_key", None)
     reward_weights: str | None = doc("GRPO: comma-separated weights of the rewards, in order: "
-                                     "each --reward_fn, then the reward model (default all 1)",
-                                     None)
+                                     "each --reward_fn, then the reward model, then "
+                                     "--remote_rm_url (default all 1)", None)
     reward_timeout: float = doc("GRPO: seconds a reward function may take per sample (per "
                                 "batch when batched); > 0 runs the functions in a worker "
                                 "process, killed on a hang (0: in the rank, no limit)", 0.0)
@@ -163,7 +168,7 @@ class GRPOConfig:
             fail("tools", self.tools, "an agent file is the environment itself; drop --tools or "
                  "--agent_func_path")
         if self.agent_func_path is not None:
-            for name in ("reward_fn", "reward_pretrain"):
+            for name in ("reward_fn", "reward_pretrain", "remote_rm_url"):
                 if getattr(self, name) is not None:
                     fail(name, getattr(self, name), "the environment's step returns the rewards "
                          f"with --agent_func_path; unset it (--{name} none) or drop that")
@@ -226,10 +231,12 @@ class GRPOConfig:
         """Each reward in weight order.
 
         Returns:
-            The ``reward_fn`` specs, then ``"model"`` with ``reward_pretrain``.
+            The ``reward_fn`` specs, then ``"model"`` with ``reward_pretrain``, then
+            ``"remote"`` with ``remote_rm_url``.
         """
         specs = [part.strip() for part in (self.reward_fn or "").split(",") if part.strip()]
-        return specs + (["model"] if self.reward_pretrain else [])
+        return specs + (["model"] if self.reward_pretrain else []) + (
+            ["remote"] if self.remote_rm_url else [])
 
     def weights(self) -> list[float]:
         """``reward_weights`` as floats.
@@ -256,9 +263,10 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         check_positive(self, "group_size", "ppo_epochs", "max_new_tokens")
         if self.reward_fn is None and self.reward_pretrain is None \
-                and self.agent_func_path is None:
-            fail("reward_fn", None, "name a reward: --reward_fn module:function or "
-                 "--reward_pretrain RM_DIR (or an environment: --agent_func_path FILE)")
+                and self.remote_rm_url is None and self.agent_func_path is None:
+            fail("reward_fn", None, "name a reward: --reward_fn module:function, "
+                 "--reward_pretrain RM_DIR or --remote_rm_url FILE.py|URL (or an environment: "
+                 "--agent_func_path FILE)")
         self._check_agent()
         if self.reward_weights is not None:
             self.weights()
