@@ -212,22 +212,29 @@ def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
 
 @needs_ray
 @pytest.mark.slow
-def test_a_killed_engine_actor_is_one_line_and_the_job_leaves_nothing(cluster, toy):
-    """The engine actor SIGKILLed once training runs: the driver ends (exit 1) with one line
-    naming the engine and the call it died in, and every actor of the job is gone (the
-    cluster's resources all free again; the session check finds no process, /dev/shm entry or
-    temp file: the engine's temp folder is removed on its node)."""
+@pytest.mark.parametrize("fault", ["engine_killed", "driver_sigterm"])
+def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(cluster, toy, fault):
+    """Once training runs, ``engine_killed``: the engine actor SIGKILLed, and the driver ends
+    (exit 1) with one line naming the engine and the call it died in; ``driver_sigterm``:
+    SIGTERM to the driver, which tears the job down and ends (exit 143) with one line. Either
+    way every actor of the job is gone (the cluster's resources all free again; the session
+    check finds no process, /dev/shm entry or temp file: the engine's temp folder is removed on
+    its node)."""
+    name = f"stopped_{fault}"
 
-    def kill_engine_once_training(cmd, env):
-        placement = toy / "killed" / "logs" / "placement.json"
-        metrics = toy / "killed" / "logs" / "metrics.jsonl"
+    def stop_once_training(cmd, env):
+        placement = toy / name / "logs" / "placement.json"
+        metrics = toy / name / "logs" / "metrics.jsonl"
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:
             if metrics.exists() and metrics.read_text().strip():
-                pid = json.loads(placement.read_text())["vllm_engines"][0]["pid"]
-                os.kill(pid, signal.SIGKILL)
+                if fault == "engine_killed":
+                    os.kill(json.loads(placement.read_text())["vllm_engines"][0]["pid"],
+                            signal.SIGKILL)
+                else:
+                    proc.send_signal(signal.SIGTERM)
                 break
             time.sleep(0.2)
         out, err = proc.communicate(timeout=300)
@@ -235,12 +242,18 @@ def test_a_killed_engine_actor_is_one_line_and_the_job_leaves_nothing(cluster, t
 
     job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", "--vllm.num_engines", "1",
                              "--algo.advantage.estimator", "group_norm",
-                             *_flags(toy, "killed", vllm_num_engines=None, max_steps=6)],
-                   watch=kill_engine_once_training)
-    assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
-    last = job.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: actor group rank 0 (node "), job.stderr[-3000:]
-    assert "vLLM engine 0" in last and "died" in last, last
+                             *_flags(toy, name, vllm_num_engines=None, max_steps=6)],
+                   watch=stop_once_training)
+    lines = job.stderr.strip().splitlines()
+    if fault == "engine_killed":
+        assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
+        assert lines[-1].startswith("error: actor group rank 0 (node "), job.stderr[-3000:]
+        assert "vLLM engine 0" in lines[-1] and "died" in lines[-1], lines[-1]
+    else:
+        assert job.returncode == 128 + signal.SIGTERM, (job.stdout + job.stderr)[-4000:]
+        assert lines[-1] == ("error: the Ray job was stopped by SIGTERM; its actors and placement "
+                             "groups are removed"), job.stderr[-3000:]
+        assert "Traceback" not in job.stderr, job.stderr[-3000:]
     assert _all_free(cluster), "the job's actors or placement groups still hold resources"
 
 

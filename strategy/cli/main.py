@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 
 from strategy.errors import ConfigError, RankFailedError, StrategyError
@@ -165,6 +166,11 @@ def run_ray_job(command: str, argv: list[str]) -> None:
     except StrategyError as error:
         sys.stderr.write(f"error: {error}\n")
         raise SystemExit(1 if isinstance(error, RankFailedError) else 2) from None
+    except KeyboardInterrupt as stop:  # SIGTERM or Ctrl-C, after the teardown
+        signum = getattr(stop, "signum", signal.SIGINT)
+        sys.stderr.write(f"error: the Ray job was stopped by {signal.Signals(signum).name}; its "
+                         "actors and placement groups are removed\n")
+        raise SystemExit(128 + signum) from None
     raise SystemExit(0)
 
 

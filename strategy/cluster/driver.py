@@ -286,8 +286,20 @@ def local_resources(by_type: dict, temp_dir: str) -> dict:
     return out
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM (or SIGINT) to the driver: the job is torn down, then this ends the driver."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_RECEIVED: list[int] = []  # the signals _stop took (Ray's waits re-raise a bare interrupt)
+
+
 def _stop(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    _RECEIVED.append(signum)
+    raise Stopped(signum)
 
 
 def run_on_ray(command: str, argv: list[str]) -> Any:
@@ -315,7 +327,11 @@ def run_on_ray(command: str, argv: list[str]) -> Any:
     try:
         job.place()
         return job.run()
+    except KeyboardInterrupt:  # SIGTERM through _stop, or Ctrl-C
+        raise Stopped(_RECEIVED[-1] if _RECEIVED else signal.SIGINT) from None
     finally:
+        for sig in previous:  # a second signal must not cut the teardown short
+            signal.signal(sig, signal.SIG_IGN)
         job.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
