@@ -169,7 +169,7 @@ def toy(tmp_path_factory):
     return root
 
 
-def test_serve_rm_normalizes_by_the_saved_mean_and_std_or_says_it_cannot(toy):
+def test_serve_rm_normalizes_by_the_saved_mean_and_std_or_says_it_cannot(toy, capsys):
     from strategy.cli.serve_rm import Scorer, ServeRMConfig, main
 
     plain = Scorer(ServeRMConfig(reward_pretrain=str(toy / "rm"), param_dtype="fp32"))
@@ -189,6 +189,14 @@ def test_serve_rm_normalizes_by_the_saved_mean_and_std_or_says_it_cannot(toy):
         "std (OpenRLHF's reward models save them); drop the flag"]
     with pytest.raises(SystemExit):
         main(["--reward.model_name_or_path", str(toy / "rm"), "--ds.value_head_prefix", "value"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:  # a model that does not load: one line naming it
+        main(["--reward.model_name_or_path", str(toy / "absent")])
+    assert stop.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and line.startswith(
+        f"error: reward_pretrain='{toy / 'absent'}' is invalid: cannot load it ("), line
+    assert line.endswith("; pass a reward model's directory"), line
 
 
 def _grpo_history(root: str, name: str, reward: dict) -> list[dict]:
@@ -236,11 +244,12 @@ def serve_rm(toy):
                 break
             seen.append(line)
         assert line.startswith("serving "), "".join(seen)[-2000:]
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # never blocks it
+        reader = threading.Thread(target=proc.stdout.read, daemon=True)  # never blocks it
+        reader.start()
         yield f"http://127.0.0.1:{port}/get_reward"
     finally:
         proc.terminate()
-        proc.communicate(timeout=30)
+        proc.wait(timeout=30)  # its output is the reader's (communicate would read it too)
 
 
 @pytest.mark.slow

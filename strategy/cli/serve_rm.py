@@ -22,6 +22,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
@@ -29,6 +30,7 @@ from transformers.utils import logging as hf_logging
 
 from strategy.config import parse_configs
 from strategy.config.fields import check_positive, doc
+from strategy.dist import first_line
 from strategy.errors import ConfigError, fail
 
 OPENRLHF = {  # serve_rm's OpenRLHF 0.11 flags (and its 0.10 names): ours
@@ -86,39 +88,42 @@ class Scorer:
     def __init__(self, config: ServeRMConfig) -> None:
         hf_logging.disable_progress_bar()  # its start is one line
         self.config, self.lock = config, threading.Lock()
+        saved = self._loaded(AutoConfig.from_pretrained)  # checked before the weights load
         self.mean, self.std = 0.0, 1.0
-        if config.normalize_reward:  # checked before the weights load
-            saved = AutoConfig.from_pretrained(config.reward_pretrain)
+        if config.normalize_reward:
             mean, std = getattr(saved, "mean", None), getattr(saved, "std", None)
             if mean is None or not std:
                 fail("normalize_reward", True, f"{config.reward_pretrain}/config.json holds no "
                      "mean and std (OpenRLHF's reward models save them); drop the flag")
             self.mean, self.std = float(mean), float(std)
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            config.reward_pretrain, use_fast=not config.disable_fast_tokenizer)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            config.reward_pretrain, num_labels=1, dtype=DTYPES[config.param_dtype],
-            attn_implementation=config.attn_implementation).eval()
+        self.tokenizer = self._loaded(AutoTokenizer.from_pretrained,
+                                      use_fast=not config.disable_fast_tokenizer)
+        self.model = self._loaded(AutoModelForSequenceClassification.from_pretrained,
+                                  num_labels=1, dtype=DTYPES[config.param_dtype],
+                                  attn_implementation=config.attn_implementation).eval()
+
+    def _loaded(self, load: Any, **kwargs: Any) -> Any:
+        """``load(reward_pretrain, **kwargs)``; a path or Hub id that does not load is one line."""
+        try:
+            return load(self.config.reward_pretrain, **kwargs)
+        except (OSError, ValueError) as exc:
+            fail("reward_pretrain", self.config.reward_pretrain,
+                 f"cannot load it ({first_line(exc)}); pass a reward model's directory")
 
     def ids(self, query: str) -> list[int]:
         return self.tokenizer(query, add_special_tokens=False)["input_ids"][-self.config.max_len:]
 
     @torch.no_grad()
     def __call__(self, queries: list[str]) -> list[float]:
-        from strategy.trainers.losses import sequence_scores  # deferred: the trainers' import
-        # takes seconds, after the flags are checked
+        from strategy.trainers.algorithms.rewards import ids_scores  # deferred: the trainers'
+        # import takes seconds, after the flags are checked
 
         size = self.config.batch_size or max(len(queries), 1)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         out: list[float] = []
         with self.lock:
             for start in range(0, len(queries), size):
                 ids = [self.ids(q) for q in queries[start:start + size]]
-                width = max(len(x) for x in ids)
-                batch = {"input_ids": torch.tensor([x + [pad] * (width - len(x)) for x in ids]),
-                         "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x))
-                                                         for x in ids])}
-                out += sequence_scores(self.model, batch).tolist()
+                out += ids_scores(self.model, ids, self.tokenizer.pad_token_id)
         return [(score - self.mean) / self.std for score in out]
 
 

@@ -105,16 +105,27 @@ class OpenRLHFReward:
         ended = ended if ended is not None else [False] * len(prompts)
         queries = [p + c + (self.eos if e else "") for p, c, e in zip(prompts, completions, ended)]
         labels = [row.get(self.label_key, "") if self.label_key else "" for row in rows]
-        answer = self._ask_file(queries, prompts, labels) if self.fn else self._ask_servers(
-            queries, prompts, labels)
-        rewards = self._values(answer, "rewards", len(queries))
-        scores = self._values(answer, "scores", len(queries)) if answer.get(
-            "scores") is not None else rewards
-        self.logs = {"score": scores}
+        if self.fn is not None:
+            parts = [self._parsed(self._ask_file(queries, prompts, labels), len(queries))]
+        else:
+            parts = self._ask_servers(queries, prompts, labels)
+        rewards, self.logs = [], {}  # the logs: the scores and each extra log, per query
+        for part_rewards, logs in parts:
+            rewards += part_rewards
+            for key, values in logs.items():
+                self.logs.setdefault(key, []).extend(values)
+        return rewards
+
+    def _parsed(self, answer: Any, count: int) -> tuple[list[float], dict[str, list]]:
+        """One answer for ``count`` queries: its rewards, and its scores (the rewards when
+        absent) and extra logs (a scalar counted for every query) by log name."""
+        rewards = self._values(answer, "rewards", count)
+        logs = {"score": self._values(answer, "scores", count)
+                if answer.get("scores") is not None else rewards}
         for key, value in (answer.get("extra_logs") or {}).items():
             values = _numbers(value)
-            self.logs[str(key)] = values * len(queries) if len(values) == 1 else values
-        return rewards
+            logs[str(key)] = values * count if len(values) == 1 else values
+        return rewards, logs
 
     def _values(self, answer: Any, key: str, count: int) -> list[float]:
         """``answer[key]`` as ``count`` finite floats, else one line naming the source."""
@@ -141,8 +152,8 @@ class OpenRLHFReward:
                             f"{type(exc).__name__}: {exc} (first query {queries[0][:80]!r})") \
                 from None
 
-    def _ask_servers(self, queries: list[str], prompts: list[str], labels: list) -> dict:
-        """Contiguous shards, one per server, posted at once; their answers joined in order."""
+    def _ask_servers(self, queries: list[str], prompts: list[str], labels: list) -> list:
+        """Contiguous shards, one per server, posted at once; each answer parsed, in order."""
         size = -(-len(queries) // len(self.urls))
         shards = [(url, slice(i * size, (i + 1) * size)) for i, url in enumerate(self.urls)
                   if i * size < len(queries)]
@@ -150,17 +161,8 @@ class OpenRLHFReward:
             answers = list(pool.map(lambda s: self._post(s[0], {
                 "query": queries[s[1]], "prompts": prompts[s[1]], "labels": labels[s[1]]}),
                 shards))
-        joined: dict[str, Any] = {"rewards": [], "scores": [], "extra_logs": {}}
-        for (_, rows), answer in zip(shards, answers):
-            count = len(queries[rows])
-            joined["rewards"] += self._values(answer, "rewards", count)
-            joined["scores"] += self._values(answer, "scores", count) if answer.get(
-                "scores") is not None else self._values(answer, "rewards", count)
-            for key, value in (answer.get("extra_logs") or {}).items():
-                values = _numbers(value)
-                joined["extra_logs"].setdefault(key, []).extend(
-                    values * count if len(values) == 1 else values)
-        return joined
+        return [self._parsed(answer, len(queries[rows]))
+                for (_, rows), answer in zip(shards, answers)]
 
     def _post(self, url: str, body: dict) -> Any:
         """One shard's answer: ``tries`` tries, ``pause`` s apart, each within ``timeout`` s."""

@@ -214,14 +214,21 @@ class ModelReward:
                  ended: list[bool] | None = None) -> list[float]:
         ended = ended if ended is not None else [False] * len(prompts)
         ids = [self.token_ids(p, c, e) for p, c, e in zip(prompts, completions, ended)]
-        width = max(len(x) for x in ids)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        device = self.engine.device
-        batch = {"input_ids": torch.tensor([x + [pad] * (width - len(x)) for x in ids],
-                                           device=device),
-                 "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x))
-                                                 for x in ids], device=device)}
-        return [float(score) for score in sequence_scores(self.engine.module, batch).cpu()]
+        return ids_scores(self.engine.module, ids, self.tokenizer.pad_token_id,
+                          self.engine.device)
+
+
+def ids_scores(model: Any, ids: list[list[int]], pad_token_id: int | None,
+               device: Any = "cpu") -> list[float]:
+    """A reward model's score of each row of token ids, right-padded into one batch, at its
+    last token (``ModelReward`` in the ranks, ``strategy.cli.serve_rm`` over HTTP)."""
+    width = max(len(x) for x in ids)
+    pad = pad_token_id if pad_token_id is not None else 0
+    batch = {"input_ids": torch.tensor([x + [pad] * (width - len(x)) for x in ids],
+                                       device=device),
+             "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x))
+                                             for x in ids], device=device)}
+    return [float(score) for score in sequence_scores(model, batch).cpu()]
 
 
 def build_rewards(run: Any, grpo: Any) -> Rewards:
