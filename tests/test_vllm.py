@@ -53,8 +53,13 @@ def _flags(root, name: str, **extra) -> list[str]:
             "save_path": f"{root}/{name}/model", "ckpt_path": f"{root}/{name}/ckpt",
             "log_dir": f"{root}/{name}/logs", **extra}
     flags = {True: "--{}", False: "--no-{}"}
-    return [flags[v].format(k) if isinstance(v, bool) else f"--{k}={v}" for k, v in args.items()
-            if v is not None]
+    argv = []
+    for k, v in args.items():
+        if isinstance(v, tuple):  # nargs: --key A B
+            argv += [f"--{k}", *map(str, v)]
+        elif v is not None:
+            argv.append(flags[v].format(k) if isinstance(v, bool) else f"--{k}={v}")
+    return argv
 
 
 def _job(root, name: str, env: dict | None = None, timeout: float = 600, **extra):
@@ -262,19 +267,27 @@ def test_async_rollouts_train_one_update_behind_and_resume_exactly(toy, engines)
     saved with it). One engine spans both ranks (``tp2``: its requests are gathered on the main
     thread, its tensor-parallel collectives run on the generating thread beside the step's), or
     one engine in a process of its own serves both (``process``: it generates while the ranks
-    train)."""
+    train).
+
+    The engine one update behind is the stale engine that ``--is_correction tis`` corrects: each
+    step's loss equals the loss computed here by hand from every rank's micro-batches (the
+    tokens' weights exp(trainer - engine) clamped to a narrow interval, so some are clamped),
+    and differs from the uncorrected loss by far more than the tolerance."""
     import shutil
 
     keys = ("loss", "reward", "staleness", "engine_logprob_diff", "grad_norm",
-            "completion_length")
+            "completion_length", "is_weight", "is_outside")
     name = f"async_{engines}"
-    flags = dict(async_rollouts=1, save_steps=2, **({"vllm_tensor_parallel_size": 2} if
-                                                     engines == "tp2" else {"vllm_num_engines": 1}))
+    flags = dict(async_rollouts=1, save_steps=2, is_correction="tis",
+                 is_correction_threshold=IS_INTERVAL,
+                 **({"vllm_tensor_parallel_size": 2} if engines == "tp2"
+                    else {"vllm_num_engines": 1}))
     full = _run(toy, name, **flags)
     history = full["history"]
     assert [row["staleness"] for row in history] == [0.0, 1.0, 1.0, 1.0]
     assert history[0]["engine_logprob_diff"] < 1e-4  # on-policy: the weights it sampled with
     assert all(row["engine_logprob_diff"] > 1e-3 for row in history[1:])  # one update behind
+    _check_corrected_losses(history, full["loss_inputs"])
     ckpt = toy / name / "ckpt"
     shutil.rmtree(ckpt / "global_step4")
     (ckpt / "latest").write_text("global_step2")
@@ -282,6 +295,33 @@ def test_async_rollouts_train_one_update_behind_and_resume_exactly(toy, engines)
     assert [{k: r[k] for k in keys} for r in resumed["history"]] == [
         {k: r[k] for k in keys} for r in history[2:]]
     assert resumed["final"] == full["final"]
+
+
+IS_INTERVAL = (0.995, 1.005)  # narrow: one update behind, some tokens' weights fall outside
+
+
+def _check_corrected_losses(history: list[dict], inputs: list[dict]) -> None:
+    """Each step's logged loss (GRPO, one update per rollout: ratio 1, no KL) is the token mean
+    over every rank of -advantage x clamp(exp(trainer - engine), IS_INTERVAL), by hand."""
+    low, high = IS_INTERVAL
+    for step, row in enumerate(history):
+        parts = [x for x in inputs if x["step"] == step]
+        assert len(parts) >= 2, step  # both ranks' micro-batches
+        total = uncorrected = tokens = 0.0
+        for part in parts:
+            mask = torch.tensor(part["mask"], dtype=torch.float64)
+            gap = torch.tensor(part["trainer"], dtype=torch.float64) - torch.tensor(
+                part["engine"], dtype=torch.float64)
+            weight = gap.exp().clamp(low, high)
+            advantage = torch.tensor(part["advantages"], dtype=torch.float64)[:, None]
+            total += float((-advantage * weight * mask).sum())
+            uncorrected += float((-advantage * mask).sum())
+            tokens += float(mask.sum())
+        want, plain = total / tokens, uncorrected / tokens
+        assert row["loss"] == pytest.approx(want, rel=1e-5, abs=1e-7), step
+        if step > 0:  # the stale engine's steps: the correction moved the loss
+            assert abs(plain - want) > 10 * max(1e-5 * abs(want), 1e-7), (step, plain, want)
+            assert row["is_outside"] > 0, row  # the clamp acted
 
 
 # ------------------------------------------------------------ the correction, by hand and peer

@@ -7,7 +7,9 @@ After each rollout (the vLLM engine synced to the policy of that step) both engi
 held-out prompts greedily on the same weights: vLLM's completions, and the policy's own module's
 (``EngineRollout``: ZeRO-3's partitioned forward, or the whole module below it); with
 ``--agent_func_path`` also whole greedy episodes on each. Rank 0 writes
-OUT.json: the history, each check's completions, and the final metrics.
+OUT.json: the history, each check's completions, the final metrics and, with
+``--is_correction``, each training micro-batch's loss inputs on every rank (advantages, the
+trainer's and the engine's log-probs, the scored mask) for a loss computed by hand.
 
 ``VLLM_FAULT=raise:R`` or ``hang:R``: rank R's engine raises, or never returns, in its third
 ``generate`` (the second rollout's, after the first step's checkpoint; the fault tests);
@@ -22,6 +24,7 @@ import signal
 import sys
 import time
 
+import torch
 from vllm.distributed import get_tensor_model_parallel_world_size
 
 from strategy.rollout import EngineRollout
@@ -31,6 +34,7 @@ from strategy.trainers import GRPOConfig, GRPOTrainer
 from strategy.trainers.algorithms.completions import generate_completions
 from strategy.trainers.algorithms.preference import reference_model
 from strategy.trainers.algorithms.rewards import build_rewards
+from strategy.trainers.losses import scored_mask
 from strategy.trainers.run import Run
 
 
@@ -59,6 +63,16 @@ class CheckedGRPO(GRPOTrainer):
                     self.rollouts = kept
                 got[f"episodes_{name}"] = [[e.tokens, e.model] for e in played]
         self.checks.append({"step": self.global_step, **got})
+        return out
+
+    def compute_loss(self, batch: dict):
+        out = super().compute_loss(batch)
+        if self.model.training and self.rollout_config.is_correction is not None:
+            self.loss_inputs.append({
+                "step": self.global_step, "advantages": batch["advantages"].tolist(),
+                "trainer": self._old_logps[batch["rollout_index"]].tolist(),
+                "engine": batch["engine_logp"].tolist(),
+                "mask": self.trained_mask(batch, scored_mask(batch)).tolist()})
         return out
 
 
@@ -98,10 +112,12 @@ def main() -> None:
         reward = None if grpo.agent_func_path else build_rewards(run, grpo)
         trainer = run.trainer(CheckedGRPO, model, grpo=grpo, ref_model=reference, reward=reward,
                               rollout=run.config(RolloutConfig), max_len=run.data.max_len)
-        trainer.checks = []
+        trainer.checks, trainer.loss_inputs = [], []
         inject(trainer.rollouts, run.strategy.rank)
         remote = isinstance(trainer.rollouts, RemoteVllmRollout)
         final = trainer.fit()
+        loss_inputs = [None] * run.strategy.world_size  # every rank's, for rank 0 to write
+        torch.distributed.all_gather_object(loss_inputs, trainer.loss_inputs)
         if run.strategy.rank == 0:
             with open(out_path, "w") as f:
                 json.dump({"history": trainer.history, "final": final, "checks": trainer.checks,
@@ -109,7 +125,7 @@ def main() -> None:
                            "engine_ranks": trainer.rollouts.per if remote
                            else get_tensor_model_parallel_world_size(),
                            "engine_processes": len(trainer.rollouts.processes) if remote
-                           else 0}, f)
+                           else 0, "loss_inputs": [x for rank in loss_inputs for x in rank]}, f)
 
 
 if __name__ == "__main__":
