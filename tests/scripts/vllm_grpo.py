@@ -116,8 +116,9 @@ def main() -> None:
         inject(trainer.rollouts, run.strategy.rank)
         remote = isinstance(trainer.rollouts, RemoteVllmRollout)
         final = trainer.fit()
-        loss_inputs = [None] * run.strategy.world_size  # every rank's, for rank 0 to write
-        torch.distributed.all_gather_object(loss_inputs, trainer.loss_inputs)
+        loss_inputs = [[]] * run.strategy.world_size  # every rank's, for rank 0 to write
+        if trainer.rollout_config.is_correction is not None:
+            torch.distributed.all_gather_object(loss_inputs, trainer.loss_inputs)
         if run.strategy.rank == 0:
             with open(out_path, "w") as f:
                 json.dump({"history": trainer.history, "final": final, "checks": trainer.checks,
