@@ -16,6 +16,16 @@ from typing import Any, NoReturn
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
+def _not_cpu_fallback(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Setting accelerator to CPU.")
+
+
+# DeepSpeed, on a machine without CUDA, logs on stdout at import that it falls back to its CPU
+# accelerator ("If you have GPU or other accelerator, we were unable to detect it"): a line above
+# every run's output and inside what --print_config writes; the run's settings say the device
+logging.getLogger("DeepSpeed").addFilter(_not_cpu_fallback)
+
+
 class StrategyError(Exception):
     """Base of every error raised on purpose by ``strategy``."""
 

@@ -86,6 +86,8 @@ CASES = [
     ({"checkpoint_storage": "nfs"}, "checkpoint_storage='nfs' is invalid: use one of auto, "
                                      "shared, node_local"),
     ({"model_config": None}, "pretrain=None is invalid: set --pretrain"),
+    ({"model_config": None, "pretrain": "TOY/tok"}, "/tok' is invalid: not a model transformers "
+                                                    "can load (Unrecognized model in "),
     (
         {"model_config": "configs/missing.json"},
         "model_config='configs/missing.json' is invalid: no such file",

@@ -28,7 +28,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from strategy.config import parse_configs
+from strategy.config import parse_configs, print_settings_and_exit
 from strategy.config.fields import check_positive, doc
 from strategy.dist import first_line
 from strategy.errors import ConfigError, fail
@@ -167,7 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     """Serve until SIGTERM or Ctrl-C; a bad flag or model is one line, exit 2."""
     argv = translated(list(sys.argv[1:] if argv is None else argv))
     try:
-        (config,), _ = parse_configs([ServeRMConfig], argv)
+        (config,), namespace = parse_configs([ServeRMConfig], argv)
+        if namespace.print_config:
+            print_settings_and_exit([config], namespace)
         scorer = Scorer(config)
         server = ThreadingHTTPServer((config.host, config.port), handler(scorer))
     except (ConfigError, OSError) as error:

@@ -23,6 +23,8 @@ import yaml
 from strategy.errors import ConfigError, fail
 
 CONFIG_FLAG = "config"  # --config FILE.yaml
+PRINT_FLAG = "print_config"  # --print_config: the checked settings as YAML, then exit 0
+NOT_SETTINGS = (CONFIG_FLAG, PRINT_FLAG, "local_rank")  # flags that are no setting
 NONE_WORDS = ("none", "null")  # an optional flag's value that unsets it (YAML's null)
 
 
@@ -128,6 +130,9 @@ def add_config_args(parser: argparse.ArgumentParser, *classes: type,
                             help="YAML file of settings (CLI flags override it)")
         parser.add_argument("--local_rank", type=int, default=-1,
                             help="set by the deepspeed launcher")
+        parser.add_argument(f"--{PRINT_FLAG}", action="store_true",
+                            help="check every setting as a run would, print them as YAML that "
+                                 "--config loads back, and exit 0 (no model, no rank)")
     except argparse.ArgumentError:  # a parser that went through here before already has both
         pass
     for cls in classes:
@@ -273,7 +278,7 @@ def parse_configs(classes: Sequence[type], argv: Sequence[str] | None = None,
     config_path = getattr(namespace, CONFIG_FLAG)
     values = read_yaml(config_path) if config_path else {}
     names = {name for cls in classes for name in _fields(cls)} - hidden
-    own_flags = set(vars(namespace)) - names - {CONFIG_FLAG}
+    own_flags = set(vars(namespace)) - names - set(NOT_SETTINGS)
     for key in [k for k in values if k in own_flags]:
         value = values.pop(key)
         if getattr(namespace, key) == parser.get_default(key):
@@ -283,6 +288,55 @@ def parse_configs(classes: Sequence[type], argv: Sequence[str] | None = None,
         setattr(namespace, key, None)
     values.update({k: v for k, v in vars(namespace).items() if k in names and v is not None})
     return build_configs(classes, values, config_path or "config", foreign), namespace
+
+
+def settings_yaml(configs: Sequence, namespace: argparse.Namespace,
+                  hidden: frozenset = frozenset()) -> str:
+    """The resolved settings as a YAML file that ``--config`` loads back to the same settings:
+    each config's fields (but ``hidden``) under a comment naming its class, then the script's
+    own flags.
+
+    Args:
+        configs: the config instances, in the order to print them.
+        namespace: the parsed flags (a script's own flags are printed from it).
+        hidden: fields that take no flag nor key (another trainer's).
+
+    Returns:
+        The YAML text.
+    """
+    def section(title: str, values: dict) -> str:
+        plain = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+        return f"# {title}\n" + yaml.safe_dump(plain, sort_keys=False, default_flow_style=False,
+                                               width=1000)
+
+    parts, names = [], set()
+    for config in configs:
+        fields = _fields(type(config))
+        names.update(fields)
+        parts.append(section(type(config).__name__, {
+            name: getattr(config, name) for name in fields if name not in hidden}))
+    own = {k: v for k, v in vars(namespace).items() if k not in names and k not in NOT_SETTINGS}
+    if own:
+        parts.append(section("the script's own flags", own))
+    return "\n".join(parts)
+
+
+def print_settings_and_exit(configs: Sequence, namespace: argparse.Namespace,
+                            hidden: frozenset = frozenset()) -> None:
+    """``--print_config``: ``settings_yaml`` on stdout (rank 0's alone), then exit 0 on every
+    rank alike.
+
+    Args:
+        configs: the checked config instances, in the order to print them.
+        namespace: the parsed flags.
+        hidden: fields that take no flag nor key (another trainer's).
+
+    Raises:
+        SystemExit: always, with status 0.
+    """
+    if os.environ.get("RANK", "0") == "0":
+        print(settings_yaml(configs, namespace, hidden), end="", flush=True)
+    raise SystemExit(0)
 
 
 def _raise_config_error(message: str):

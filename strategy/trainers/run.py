@@ -26,7 +26,12 @@ from transformers import (
 from strategy import dist
 from strategy.attention import attention_for, check_attention
 from strategy.checkpoint import CheckpointConfig, RunLayout, check_resumable
-from strategy.config import StrategyConfig, parse_configs
+from strategy.config import (
+    PRINT_FLAG,
+    StrategyConfig,
+    parse_configs,
+    print_settings_and_exit,
+)
 from strategy.config.cli import shipped_file
 from strategy.deepspeed_strategy import DeepSpeedStrategy
 from strategy.errors import ConfigError
@@ -152,6 +157,8 @@ class Run:
             check_resumable(ckpt_cfg.ckpt_path, RunLayout(
                 sequence_parallel_size=strategy_cfg.sequence_parallel_size,
                 tensor_parallel_size=strategy_cfg.tensor_parallel_size))
+        if getattr(namespace, PRINT_FLAG, False):
+            print_settings_and_exit(list(by_type.values()), namespace, hidden_flags(trainer))
         return by_type, namespace
 
     def __enter__(self) -> Run:
@@ -435,7 +442,12 @@ def check_model(model: ModelConfig, lora: LoraConfig, data_cfg: DataConfig,
                           "package is not installed here (it needs a CUDA GPU); use "
                           "--attn_implementation sdpa")
     if model.pretrain:
-        config = AutoConfig.from_pretrained(model.pretrain)
+        try:
+            config = AutoConfig.from_pretrained(model.pretrain)
+        except (OSError, ValueError) as exc:  # no config.json, or none transformers knows
+            raise ConfigError(f"pretrain={model.pretrain!r} is invalid: not a model transformers "
+                              f"can load ({str(exc).splitlines()[0]}); pass a model directory "
+                              "(its config.json) or a hub name") from None
     else:
         config = hf_config(model.model_config)
     set_attn_implementation(config, attention_for(model.attn_implementation,
