@@ -2,8 +2,10 @@
 
 ``--agent_func_path FILE`` (GRPO, PPO) names a Python file defining ``AgentInstance``, a subclass
 of ``AgentInstanceBase`` (or, as OpenRLHF's examples do, ``AgentExecutor``, a
-``MultiTurnAgentExecutor`` made with it). A file written for OpenRLHF runs here once its import
-line reads ``from strategy.agents import AgentInstanceBase, MultiTurnAgentExecutor``.
+``MultiTurnAgentExecutor`` made with it). A file written for OpenRLHF runs here unchanged: where
+OpenRLHF is not installed, its ``from openrlhf.utils.agent import AgentInstanceBase,
+MultiTurnAgentExecutor`` resolves to this module while the file loads (nothing else of
+``openrlhf`` does; ``from strategy.agents import ...`` works too).
 
 One instance per episode, made with no arguments. Its methods may be ``async def`` or ``def``:
 
@@ -15,8 +17,10 @@ One instance per episode, made with no arguments. Its methods may be ``async def
   ``rewards`` (this turn's reward: a number or a one-element tensor), ``environment_feedback``
   (text appended as context: no loss on it), ``done``, and optionally ``scores``
   (``--dynamic_filtering`` reads them; default the episode's reward so far) and ``extra_logs``.
-  A ``sampling_params`` entry is not applied: the loss's log-probs are those of the configured
-  sampling.
+  ``states["sampling_params"]`` holds the configured sampling (``temperature``, ``top_p``,
+  ``top_k``); a step may return it as ``sampling_params`` (OpenRLHF's examples hand it back),
+  or None. Other values are refused in one line, never dropped: the loss's log-probs are those
+  of the configured sampling.
 
 An episode ends when ``step`` says ``done``, after ``--max_turns`` model turns, or when its
 context reaches ``--max_len`` (feedback is cut to fit). Its reward is the sum of its turns'
@@ -25,15 +29,17 @@ context reaches ``--max_len`` (feedback is cut to fit). Its reward is the sum of
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import sys
+import types
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Iterator
 
 from strategy.errors import fail
 
-OPENRLHF_IMPORT = "from openrlhf.utils.agent import"
-OUR_IMPORT = "from strategy.agents import"
+OPENRLHF_AGENT = "openrlhf.utils.agent"  # the module OpenRLHF's agent files import from
 
 
 class AgentInstanceBase(ABC):
@@ -79,9 +85,11 @@ def load_agent(path: str) -> type:
     spec = importlib.util.spec_from_file_location(f"strategy_agent_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
+        with _openrlhf_agent_names():
+            spec.loader.exec_module(module)
     except ModuleNotFoundError as exc:
-        hint = (f"; replace '{OPENRLHF_IMPORT}' with '{OUR_IMPORT}'"
+        hint = (f"; OpenRLHF is not installed here: of it only {OPENRLHF_AGENT}'s "
+                "AgentInstanceBase and MultiTurnAgentExecutor resolve (to strategy.agents)"
                 if (exc.name or "").startswith("openrlhf") else "")
         fail("agent_func_path", path, f"importing it failed: {exc}{hint}")
     except Exception as exc:  # noqa: BLE001 - the user's file: one line whatever it raised
@@ -90,6 +98,31 @@ def load_agent(path: str) -> type:
     if not callable(getattr(cls, "step", None)):
         fail("agent_func_path", path, f"{cls.__name__} has no step(states) method")
     return cls
+
+
+@contextlib.contextmanager
+def _openrlhf_agent_names() -> Iterator[None]:
+    """While an agent file loads where OpenRLHF is not installed: ``openrlhf.utils.agent`` is
+    this module (its parents empty packages), removed again after."""
+    if importlib.util.find_spec("openrlhf") is not None:
+        yield
+        return
+    names = ("openrlhf", "openrlhf.utils")
+    saved = {name: sys.modules.get(name) for name in (*names, OPENRLHF_AGENT)}
+    for name in names:
+        package = types.ModuleType(name)
+        package.__path__ = []  # a package: its other modules are not found
+        sys.modules[name] = package
+    sys.modules["openrlhf"].utils = sys.modules["openrlhf.utils"]
+    sys.modules["openrlhf.utils"].agent = sys.modules[OPENRLHF_AGENT] = sys.modules[__name__]
+    try:
+        yield
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
 
 
 def _agent_class(module: Any, path: str) -> type:

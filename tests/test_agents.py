@@ -50,12 +50,15 @@ class Scripted:
         return [turn[:max_new] for _ in rows], None
 
 
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # as GRPO hands its own
+
+
 def runner(tok, path=THREE, max_turns=8, max_new=8, max_len=64):
     from strategy.agents import load_agent
     from strategy.trainers.algorithms.episodes import EpisodeRunner
 
     return EpisodeRunner(load_agent(path), f"agent_func_path={path!r}", tok, max_turns, max_new,
-                         max_len, 5.0, solo())
+                         max_len, 5.0, solo(), SAMPLING)
 
 
 def ids(tok, text):
@@ -203,9 +206,10 @@ def test_per_token_estimators_skip_feedback_positions():
 @pytest.mark.parametrize("body,message", [
     (None, "agent_func_path='{path}' is invalid: give an existing Python file defining class "
            "AgentInstance(AgentInstanceBase)"),
-    ("from openrlhf.utils.agent import AgentInstanceBase\n",
-     "agent_func_path='{path}' is invalid: importing it failed: No module named 'openrlhf'; "
-     "replace 'from openrlhf.utils.agent import' with 'from strategy.agents import'"),
+    ("from openrlhf.models import Actor\n",
+     "agent_func_path='{path}' is invalid: importing it failed: No module named "
+     "'openrlhf.models'; OpenRLHF is not installed here: of it only openrlhf.utils.agent's "
+     "AgentInstanceBase and MultiTurnAgentExecutor resolve (to strategy.agents)"),
     ("x = 1\n", "agent_func_path='{path}' is invalid: it defines no class AgentInstance (nor "
                 "AgentExecutor); define class AgentInstance(AgentInstanceBase) with reset and "
                 "step"),
@@ -240,6 +244,59 @@ def test_a_bad_step_result_names_the_file_episode_and_turn(tmp_path, tok):
     assert str(err.value) == (f"agent_func_path={path!r}: episode 0 (prompt '<user>ab="
                               "<assistant>'), turn 0: rewards is nan; return a finite number "
                               "(or a one-element tensor)")
+
+
+def test_openrlhfs_import_line_loads_and_leaves_no_openrlhf_module():
+    """OpenRLHF 0.11's ``from openrlhf.utils.agent import AgentInstanceBase,
+    MultiTurnAgentExecutor`` (tests/data/agents/openrlhf_style.py) resolves to ours while the
+    file loads; no ``openrlhf`` module is left importable after."""
+    import importlib.util
+    import sys
+
+    from strategy.agents import AgentInstanceBase, load_agent
+
+    assert importlib.util.find_spec("openrlhf") is None  # else this checks nothing
+    cls = load_agent(OPENRLHF_STYLE)
+    assert issubclass(cls, AgentInstanceBase) and cls.__name__ == "AgentInstance"
+    assert not [name for name in sys.modules if name.split(".")[0] == "openrlhf"]
+
+
+@pytest.mark.parametrize("returned,changed", [
+    ("states['sampling_params']", None),
+    ("None", None),
+    ("{'temperature': 1.0}", None),
+    ("{'temperature': 0.5}", "temperature=0.5 (configured 1.0)"),
+    ("{'max_tokens': 16}", "max_tokens=16 (configured None)"),
+    ("types.SimpleNamespace(temperature=1.0, top_p=0.9, n=1)", "top_p=0.9 (configured 1.0)"),
+])
+def test_sampling_params_a_step_returns_are_the_configured_or_refused(tmp_path, tok, returned,
+                                                                     changed):
+    """A step gets the configured sampling as ``states["sampling_params"]``; handing it back (or
+    None, or the same values) plays on, other values are one line naming them, never dropped."""
+    from strategy.errors import DataError
+
+    path = str(tmp_path / "agent.py")
+    open(path, "w").write("import types\n"
+                          "from openrlhf.utils.agent import AgentInstanceBase\n"
+                          "class AgentInstance(AgentInstanceBase):\n"
+                          "    def step(self, states):\n"
+                          "        assert states['sampling_params'] == " + repr(SAMPLING) + "\n"
+                          "        return {'rewards': 1.0, 'done': True,\n"
+                          f"                'sampling_params': {returned}}}\n")
+    play = runner(tok, path=path).run
+    args = (["<user>ab=<assistant>"], [ids(tok, "<user>ab=<assistant>")], [{}], "output",
+            Scripted(tok, ["a<eos>"]))
+    if changed is None:
+        [e] = play(*args)
+        assert e.done and e.rewards == [1.0]
+        return
+    with pytest.raises(DataError) as err:
+        play(*args)
+    assert str(err.value) == (
+        f"agent_func_path={path!r}: episode 0 (prompt '<user>ab=<assistant>'), turn 0: step "
+        f"returned sampling_params with {changed}; per-turn sampling is not applied here (the "
+        "loss's log-probs are those of --temperature/--top_p/--top_k): return "
+        "states['sampling_params'] as given, or None")
 
 
 def slow_multiply(a: int, b: int) -> int:

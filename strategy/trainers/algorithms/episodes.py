@@ -125,13 +125,17 @@ class EpisodeRunner:
         timeout: seconds one turn's environment calls may take (0: no limit).
         strategy: the strategy, for its collectives (``checked``: an error on any rank raised
             on every rank; ``all_reduce``, ``all_gather_object``).
+        sampling: the configured sampling (``temperature``, ``top_p``, ``top_k``), handed to
+            each ``step`` as ``states["sampling_params"]``; a step that returns other values is
+            refused.
     """
 
     def __init__(self, agent_cls: Callable[[], Any], source: str, tokenizer: Any, max_turns: int,
-                 max_new_tokens: int, max_len: int, timeout: float, strategy: Any) -> None:
+                 max_new_tokens: int, max_len: int, timeout: float, strategy: Any,
+                 sampling: dict | None = None) -> None:
         self.agent_cls, self.source, self.tokenizer = agent_cls, source, tokenizer
         self.max_turns, self.max_new_tokens, self.max_len = max_turns, max_new_tokens, max_len
-        self.timeout, self.strategy = timeout, strategy
+        self.timeout, self.strategy, self.sampling = timeout, strategy, dict(sampling or {})
 
     def anywhere(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank (one small all-reduce)."""
@@ -217,7 +221,7 @@ class EpisodeRunner:
             e = episodes[k]
             results[k] = await _awaited(agents[k].step({
                 "observation_text": e.text, "action_text": actions[k], "label": e.label,
-                "row": e.row, "turn": turn}))
+                "row": e.row, "turn": turn, "sampling_params": dict(self.sampling)}))
 
         self._calls("step", [(k, step) for k in live], episodes, turn)
         for k in live:
@@ -243,6 +247,12 @@ class EpisodeRunner:
         if not isinstance(feedback, str):
             raise DataError(f"{where}: environment_feedback is {type(feedback).__name__}; "
                             "return text")
+        changed = _changed_sampling(out.get("sampling_params"), self.sampling)
+        if changed:
+            raise DataError(f"{where}: step returned sampling_params with {changed}; per-turn "
+                            "sampling is not applied here (the loss's log-probs are those of "
+                            "--temperature/--top_p/--top_k): return states['sampling_params'] "
+                            "as given, or None")
         logs = {}  # the numbers among them (a flag as 0 or 1)
         for key, value in (out.get("extra_logs") or {}).items():
             number = float(value) if isinstance(value, bool) else finite_number(value)
@@ -296,6 +306,22 @@ class EpisodeRunner:
 async def _awaited(value: Any) -> Any:
     """``value``, awaited when a coroutine (``async def`` or plain ``def`` methods alike)."""
     return await value if inspect.isawaitable(value) else value
+
+
+def _changed_sampling(asked: Any, configured: dict) -> str:
+    """What a step's ``sampling_params`` (a dict, or an object with attributes as vLLM's
+    ``SamplingParams``) sets apart from ``configured``: ``"temperature=0.5 (configured 1.0)"``,
+    or "" when nothing (None, or the configured values)."""
+    if asked is None:
+        return ""
+    if isinstance(asked, dict):
+        values = dict(asked)
+    else:
+        values = {key: getattr(asked, key) for key in configured if hasattr(asked, key)}
+    changed = [f"{key}={value!r} (configured {configured.get(key)!r})"
+               for key, value in values.items()
+               if value is not None and (key not in configured or value != configured[key])]
+    return ", ".join(changed)
 
 
 def _number(value: Any, name: str, where: str) -> float:

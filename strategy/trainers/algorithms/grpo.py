@@ -224,7 +224,8 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
         self._ahead: tuple | None = None  # --async_rollouts: (prompts, generation, version)
         self.episodes = None if not grpo.episodic else EpisodeRunner(
             *self._environment(), tokenizer, grpo.max_turns, grpo.max_new_tokens, longest,
-            grpo.agent_timeout, strategy)
+            grpo.agent_timeout, strategy,
+            {"temperature": grpo.temperature, "top_p": grpo.top_p, "top_k": grpo.top_k})
 
     def _environment(self) -> tuple[Callable[[], Any], str]:
         """The episodes' environment (an agent file's class, or ``ToolAgent`` for ``--tools``),

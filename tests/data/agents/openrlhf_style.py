@@ -1,13 +1,12 @@
 """An agent file in the shape of OpenRLHF's examples/python/agent_func.py (an n-step environment:
-1 to 3 feedback rounds drawn at random, async methods, tensor rewards, an AgentExecutor), its one
-import line changed from openrlhf.utils.agent to strategy.agents."""
+1 to 3 feedback rounds drawn at random, async methods, tensor rewards, the sampling parameters
+handed back, an AgentExecutor), its import line OpenRLHF's own."""
 
 import random
 from typing import Any, Dict
 
 import torch
-
-from strategy.agents import AgentInstanceBase, MultiTurnAgentExecutor
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
 
 
 class AgentInstance(AgentInstanceBase):
