@@ -70,8 +70,11 @@ def test_help_lists_the_trainers_and_each_trainers_flags_alone(capsys):
     listing = capsys.readouterr().out
     assert done.value.code == 0
     assert all(re.search(rf"^\s+{c}\s", listing, flags=re.M) for c in COMMANDS), listing
+    assert all(re.search(rf"^\s+{t}\s", listing, flags=re.M) for t in ("serve-rm",
+                                                                        "lora-combiner"))
     for command in COMMANDS:
-        shown = _flags_in_help(_help(command, capsys)) - {"help", "config", "local_rank"}
+        shown = _flags_in_help(_help(command, capsys)) - {"help", "config", "local_rank",
+                                                          "print_config"}
         assert shown == flag_names(TRAINERS[command][0]), (command, shown ^ flag_names(
             TRAINERS[command][0]))
     sft = _help("sft", capsys)

@@ -117,7 +117,7 @@ def test_the_ray_entry_point_prints_without_joining_ray(toy, capsys):
 
 def test_serve_rm_prints_its_settings(toy, tmp_path, capsys):
     """``python -m strategy.cli.serve_rm`` with OpenRLHF's flags: its settings, no model loaded
-    (the path is not one), loaded back the same."""
+    (the path is not one), loaded back the same by ``strategy serve-rm``."""
     from strategy.cli.serve_rm import main
 
     argv = ["--reward.model_name_or_path", f"{toy}/no_model_here", "--port", "5123",
@@ -128,7 +128,9 @@ def test_serve_rm_prints_its_settings(toy, tmp_path, capsys):
     assert values["normalize_reward"] is True and values["host"] == "127.0.0.1"
     saved = tmp_path / "serve.yaml"
     saved.write_text(first)
-    assert _printed(capsys, main, ["--config", str(saved)]) == first
+    from strategy.cli.main import main as strategy  # the same as `strategy serve-rm`
+
+    assert _printed(capsys, strategy, ["serve-rm", "--config", str(saved)]) == first
 
 
 def test_a_bad_setting_is_the_same_error_with_print_config(toy, monkeypatch):

@@ -2,6 +2,8 @@
 settings once, in this process (a bad one is one line, before any rank starts), then starts N
 ranks of ``strategy.cli.train_<trainer>`` on this machine with torch's launcher (``torchrun``).
 
+``strategy serve-rm ...`` and ``strategy lora-combiner ...`` run those tools in this process.
+
 strategy --help
 strategy sft --help
 strategy sft --nproc 2 --config sft_zero2 --pretrain MODEL_DIR --dataset data.jsonl
@@ -17,6 +19,12 @@ import sys
 from strategy.errors import ConfigError, RankFailedError, StrategyError
 
 COMMANDS = ("sft", "rm", "dpo", "orpo", "simpo", "kto", "grpo", "ppo", "distill")
+TOOLS = {  # one process each, no ranks: ``strategy serve-rm ...`` is ``python -m`` of the module
+    "serve-rm": ("strategy.cli.serve_rm", "serve a reward model over HTTP (OpenRLHF's "
+                 "serve_rm protocol)"),
+    "lora-combiner": ("strategy.cli.lora_combiner", "merge a LoRA adapter into its base model "
+                      "(OpenRLHF's lora_combiner)"),
+}
 CPU_RANKS = 2  # ranks on a machine without accelerators: the tested CPU setting
 LAUNCH_FLAGS = {"nproc": int, "master_port": int, "master_addr": str, "nnodes": int,
                 "node_rank": int}
@@ -28,6 +36,8 @@ def _usage() -> str:
     lines = ["usage: strategy <trainer> [--nproc N] [--master_port P] [--nnodes N --node_rank R "
              "--master_addr HOST] [flags...]", "", "trainers:"]
     lines += [f"  {name:<6} {about}" for name, (_, about) in TRAINERS.items()]
+    lines += ["", "tools (one process, no ranks):"]
+    lines += [f"  {name:<13} {about}" for name, (_, about) in TOOLS.items()]
     lines += ["", "strategy <trainer> --help lists a trainer's flags; --config NAME takes a "
               "shipped config by name (e.g. sft_zero2) or a YAML path.",
               f"--nproc: ranks on this machine (default: every local GPU, else {CPU_RANKS} on a "
@@ -135,9 +145,13 @@ def main(argv: list[str] | None = None) -> None:
         print(_usage())
         raise SystemExit(0 if argv else 2)
     command, rest = argv[0], argv[1:]
+    if command in TOOLS:
+        sys.argv[0] = f"strategy {command}"  # argparse's program name in --help
+        importlib.import_module(TOOLS[command][0]).main(rest)
+        raise SystemExit(0)
     if command not in COMMANDS:
-        sys.stderr.write(f"error: {command!r} is not a trainer; use one of "
-                         f"{', '.join(COMMANDS)} (strategy --help)\n")
+        sys.stderr.write(f"error: {command!r} is not a trainer nor a tool; use one of "
+                         f"{', '.join([*COMMANDS, *TOOLS])} (strategy --help)\n")
         raise SystemExit(2)
     try:
         launch, rest = split_launch_flags(rest)

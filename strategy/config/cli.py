@@ -242,6 +242,13 @@ def build_configs(classes: Sequence[type], values: dict, source: str = "config",
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"did you mean {close[0]!r}?" if close else "remove it"
             raise ConfigError(f"{source}: unknown key {key!r}; {hint}")
+    for cls in classes:
+        required = [name for name, (field, _) in _fields(cls).items() if name not in values
+                    and field.default is dataclasses.MISSING
+                    and field.default_factory is dataclasses.MISSING]
+        if required:
+            raise ConfigError(f"{required[0]} is required: pass --{required[0]} VALUE (or set "
+                              f"it in --config)")
     return [cls(**{name: coerce(name, tp, values[name]) for name, (_, tp) in _fields(cls).items()
                    if name in values}) for cls in classes]
 
