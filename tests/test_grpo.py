@@ -192,6 +192,24 @@ def test_padding_free_and_shared_prompt_updates_match_per_row_ones(ranks, toy):
         assert got_rows[1]["kl"] > 0 and got_rows[1]["ratio"] != 1.0  # the second step moved off
 
 
+def test_the_entropy_bonus_subtracts_its_coefficient_times_the_logged_entropy(ranks, toy):
+    """At ZeRO-3, one rollout stepped twice: the first update (ratio 1, KL 0) logs the same
+    entropy with and without ``--entropy_coef 0.5`` (and packed), and its loss is lower by 0.5 x
+    that entropy (OpenRLHF's ``loss -= entropy_loss * entropy_coef``); the bonus then moves the
+    policy (the second step's figures differ)."""
+    runs = {name: ranks.run(train, str(toy), name, max_steps=2, zero_stage=3, **extra)[0]
+            ["history"] for name, extra in (("plain", {}), ("bonus", {"entropy_coef": 0.5}),
+                                            ("bonus_packed", {"entropy_coef": 0.5,
+                                                              "packing_samples": True}))}
+    first = {name: rows[0] for name, rows in runs.items()}
+    assert first["plain"]["kl"] == 0.0 and first["plain"]["entropy"] > 0.1
+    for name in ("bonus", "bonus_packed"):
+        assert first[name]["entropy"] == pytest.approx(first["plain"]["entropy"], rel=1e-5)
+        assert first[name]["loss"] - first["plain"]["loss"] == pytest.approx(
+            -0.5 * first["plain"]["entropy"], rel=1e-4, abs=1e-6), name
+    assert runs["bonus"][1]["entropy"] != pytest.approx(runs["plain"][1]["entropy"], rel=1e-6)
+
+
 def test_gspo_and_cispo_train_at_zero3_and_start_as_their_token_level_twins(ranks, toy):
     """At ZeRO-3, one rollout stepped twice per loss type. The first update has ratio 1, where
     GSPO's gradient is PPO's under the same mean over completions, and CISPO's is PPO's under the

@@ -109,3 +109,34 @@ def test_policy_loss_type_settings():
              "clip_eps_low=0.2 is invalid: CISPO clips the weight above only")]:
         with pytest.raises(ConfigError, match=message):
             GRPOConfig(**reward, **change)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_entropy_equals_openrlhfs_of_the_samplers_logits(temperature):
+    """``token_logps_entropy``'s entropy at each scored position equals OpenRLHF's
+    ``compute_entropy`` of the same logits over the temperature (OpenRLHF takes the raw logits:
+    the same at its default temperature 1; here it is the distribution the completions were
+    drawn from, as the log-probs are); zero elsewhere; its gradient kept only when trained; the
+    log-probs are ``token_logps``'s."""
+    from transformers import AutoModelForCausalLM
+
+    from strategy.trainers.losses import IGNORE, token_logps, token_logps_entropy
+    from strategy.trainers.run import hf_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("configs/tiny_llama.json", None,
+                                                       vocab_size=37))
+    ids = torch.randint(0, 37, (3, 9))
+    labels = ids.clone()
+    labels[:, :4] = IGNORE  # the prompts
+    labels[1, 7:] = IGNORE  # a shorter completion
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    logp, mask, entropy = token_logps_entropy(model, batch, temperature, "trained")
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    want = peer_rl.compute_entropy(logits / temperature)
+    torch.testing.assert_close(entropy[mask], want[mask], atol=1e-5, rtol=1e-5)
+    assert (entropy[~mask] == 0).all() and entropy.requires_grad
+    plain, plain_mask = token_logps(model, batch, temperature)
+    assert torch.equal(plain, logp) and torch.equal(plain_mask, mask)
+    _, _, logged = token_logps_entropy(model, batch, temperature, "logged")
+    assert not logged.requires_grad and torch.equal(logged, entropy.detach())

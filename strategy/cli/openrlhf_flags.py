@@ -118,6 +118,7 @@ DOTTED: dict[str, tuple[str, ...]] = {
     # MoE router loss: SFT here; RM, DPO and GRPO/PPO refuse a nonzero value
     "model.aux_loss_coef": ("--aux_loss_coef", "{}"),
     "actor.aux_loss_coef": ("--aux_loss_coef", "{}"),
+    "actor.entropy_coef": ("--entropy_coef", "{}"),  # OpenRLHF's None (no logs) is our 0.0
     # ---- data
     "data.dataset": ("--dataset", "{}"),
     "data.dataset_probs": ("--dataset_probs", "{}"),  # comma-separated, both
@@ -323,8 +324,6 @@ REFUSED: dict[str, str] = {
     "critic.freezing_steps": "no critic warm-up here: policy and critic train from the first step",
     "algo.kl.target": "no adaptive KL controller here: the weight is fixed (--kl_coef)",
     "algo.kl.horizon": "no adaptive KL controller here: the weight is fixed (--kl_coef)",
-    "actor.entropy_coef": "no entropy term here (nor entropy logs); --temperature shapes "
-                          "exploration",
     "reward.clip_range": "rewards are not clipped here (OpenRLHF clamps to [-10, 10] by "
                          "default); clip in --reward_fn",
     "algo.advantage.no_std_norm": "whitening here always divides by the std; --advantage_estimator "

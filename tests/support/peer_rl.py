@@ -320,3 +320,13 @@ def multi_turn_execute(agent_instance_cls, prompt: str, label, generate, max_len
                 "action_ranges": action_ranges}
 
     return asyncio.run(execute())
+
+
+def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """OpenRLHF 0.11.0's ``openrlhf/models/utils.py`` ``compute_entropy`` (its ``@torch.compile``
+    dropped): the entropy of the softmax of raw logits, per position; ``ppo_actor.py``
+    aggregates it over the action mask as the policy loss and subtracts
+    ``actor.entropy_coef`` times it."""
+    pd = torch.nn.functional.softmax(logits, dim=-1)
+    entropy = torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
+    return entropy

@@ -21,6 +21,7 @@ from strategy.trainers.losses import (
     outcome_token_rewards,
     scored_mask,
     token_logps,
+    token_logps_entropy,
     token_moments,
     whiten,
 )
@@ -119,7 +120,9 @@ class PolicyUpdate:
         return {"tokens": int(scored.sum()), "completions": int((scored > 0).sum())}
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        logp, mask = token_logps(self.model, batch, self.grpo.temperature)  # the sampler's
+        bonus = self.grpo.entropy_coef
+        logp, mask, entropy = token_logps_entropy(  # the sampler's distribution's
+            self.model, batch, self.grpo.temperature, "trained" if bonus else "logged")
         mask = self.trained_mask(batch, mask)
         key = batch["rollout_index"]  # which micro-batch of the rollout
         gap = {}
@@ -142,7 +145,11 @@ class PolicyUpdate:
             weights, more = engine_is_weights(self._old_logps[key], batch["engine_logp"], mask,
                                               correction, low_w, high_w)
             losses, metrics = losses * weights, {**metrics, **more}
-        return self.aggregate(losses, mask), {**metrics, **gap}
+        loss = self.aggregate(losses, mask)
+        if bonus:  # OpenRLHF's: aggregated as the policy loss, not importance-weighted
+            loss = loss - bonus * self.aggregate(entropy * mask, mask)
+        scored = entropy.detach()[mask.bool()]
+        return loss, {**metrics, **gap, "entropy": (scored.sum().item(), scored.numel())}
 
     def aggregate(self, losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the step's loss over its token ``losses``

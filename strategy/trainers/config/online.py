@@ -46,6 +46,10 @@ class GRPOConfig:
     kl_coef: float = doc("GRPO: weight of the k3 KL penalty to the reference model (0: no "
                          "reference at all)", 0.04)
     clip_eps: float = doc("GRPO: policy ratio clip range, 1 +- eps", 0.2)
+    entropy_coef: float = doc(
+        "GRPO: entropy bonus: the loss less entropy_coef x the scored tokens' entropy of the "
+        "sampler's distribution, aggregated as the policy loss (OpenRLHF's --actor.entropy_coef; "
+        "0: none; the entropy is logged either way)", 0.0)
     ppo_epochs: int = doc("GRPO: optimizer steps per rollout batch (each over all of it)", 1)
     max_new_tokens: int = doc("GRPO: longest completion in tokens", 64)
     temperature: float = doc("GRPO: sampling temperature", 1.0)

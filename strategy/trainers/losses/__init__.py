@@ -44,6 +44,7 @@ from strategy.trainers.losses.lm import (
     shared_prompts,
     tiled_loss_sum,
     token_logps,
+    token_logps_entropy,
     token_values,
 )
 
@@ -55,5 +56,5 @@ __all__ = ["DPO_LOSSES", "ESTIMATORS", "IGNORE", "OUTCOME_ESTIMATORS", "discount
            "group_advantages", "grpo_token_losses", "kto_losses", "last_attended", "orpo_losses",
            "padding_free", "pairwise_losses", "pairwise_metrics", "response_loss", "scored_mask",
            "sequence_scores", "shared_prompts",
-           "simpo_losses", "tiled_loss_sum", "token_logps", "token_values",
+           "simpo_losses", "tiled_loss_sum", "token_logps", "token_logps_entropy", "token_values",
            "value_token_losses"]

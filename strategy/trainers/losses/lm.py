@@ -223,17 +223,43 @@ def token_logps(engine, batch: dict,
     ``temperature`` scales the logits first (the distribution a sampler drew from). A batch with
     ``padding_free``'s keys is forwarded without its padding, one with ``shared_prompts``' keys
     runs each distinct prompt once; the result is laid out alike."""
+    logp, mask, _ = token_logps_entropy(engine, batch, temperature, entropy=None)
+    return logp, mask
+
+
+def token_logps_entropy(engine, batch: dict, temperature: float = 1.0,
+                        entropy: str | None = "logged",
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``token_logps``'s log-probs and mask, and each scored position's entropy of the same
+    distribution (zero elsewhere): ``entropy="trained"`` keeps its gradient (an entropy bonus),
+    ``"logged"`` does not (no graph kept over the vocabulary), None skips it.
+
+    Args:
+        engine: the model (or its engine).
+        batch: a batch as ``token_logps`` takes it.
+        temperature: the sampler's temperature.
+        entropy: ``"trained"``, ``"logged"`` or None.
+
+    Returns:
+        ``(logp, mask, entropy or None)``, rows x positions each.
+    """
     scored = _compact_scored(engine, batch, lambda out: out.logits)
     if scored is not None:
         logits, mask = scored
         picked = targets_of(batch)[0][mask].unsqueeze(-1)
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, picked)
-        return _laid_out(mask, logp[:, 0]), mask
-    logits, targets = at_targets(engine(**forward_inputs(batch)).logits, batch)
-    mask = targets != IGNORE
-    picked = targets.clamp(min=0).unsqueeze(-1)
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, picked).squeeze(-1)
-    return logp * mask, mask
+    else:
+        logits, targets = at_targets(engine(**forward_inputs(batch)).logits, batch)
+        mask = targets != IGNORE
+        picked = targets.clamp(min=0).unsqueeze(-1)
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = log_probs.gather(-1, picked).squeeze(-1)
+    spread = None
+    if entropy is not None:
+        with torch.set_grad_enabled(entropy == "trained" and torch.is_grad_enabled()):
+            spread = -(log_probs.exp() * log_probs).sum(-1)
+    if scored is not None:  # one value per scored target: laid out as the rows
+        return _laid_out(mask, logp), mask, None if spread is None else _laid_out(mask, spread)
+    return logp * mask, mask, None if spread is None else spread * mask
 
 
 def token_values(critic, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
