@@ -210,6 +210,23 @@ def test_the_entropy_bonus_subtracts_its_coefficient_times_the_logged_entropy(ra
     assert runs["bonus"][1]["entropy"] != pytest.approx(runs["plain"][1]["entropy"], rel=1e-6)
 
 
+def test_held_out_prompts_sampled_k_times_log_pass_at_k(ranks, toy):
+    """``--eval_temperature 1 --eval_n_samples 3`` (OpenRLHF's eval flags): the held-out figures
+    of 3 samples per prompt (13 prompts, 7 and 6 per rank): pass3 at least pass1 (= reward),
+    exact match alike, each a share in [0, 1]; the same samples on a rerun; greedy (the
+    default) logs no pass figures."""
+    sampled = {"eval_temperature": 1.0, "eval_n_samples": 3, "eval_steps": 2}
+    runs = [ranks.run(train, str(toy), name, max_steps=2, **sampled)[0]["final"]
+            for name in ("sampled", "sampled_again")]
+    final = runs[0]
+    assert runs[1] == final
+    assert 0 <= final["pass1"] <= final["pass3"] <= 1 and final["pass1"] == final["reward"]
+    assert 0 <= final["exact_match"] <= final["exact_match_pass3"] <= 1
+    assert final["pass3"] > final["pass1"], final  # 3 samples of an untrained policy differ
+    greedy = ranks.run(train, str(toy), "greedy_eval", max_steps=2, eval_steps=2)[0]["final"]
+    assert not [key for key in greedy if key.startswith("pass")], greedy
+
+
 def test_gspo_and_cispo_train_at_zero3_and_start_as_their_token_level_twins(ranks, toy):
     """At ZeRO-3, one rollout stepped twice per loss type. The first update has ratio 1, where
     GSPO's gradient is PPO's under the same mean over completions, and CISPO's is PPO's under the

@@ -140,3 +140,40 @@ def test_token_entropy_equals_openrlhfs_of_the_samplers_logits(temperature):
     assert torch.equal(plain, logp) and torch.equal(plain_mask, mask)
     _, _, logged = token_logps_entropy(model, batch, temperature, "logged")
     assert not logged.requires_grad and torch.equal(logged, entropy.detach())
+
+
+def test_sampled_eval_metrics_equal_openrlhfs_pass_at_k():
+    """``--eval_n_samples 3``: ``pass3`` and ``pass1`` (as ``(sum, count)`` pairs, every rank's
+    summed) equal OpenRLHF's ``compute_eval_metrics`` on the same rewards; exact match alike."""
+    from strategy.trainers.algorithms.grpo import sampled_eval_metrics
+
+    rewards = [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.2, 0.9, 0.4]  # 4 prompts x 3
+    hits = [False, True, False, False, False, False, True, True, False, False, False, False]
+    got = sampled_eval_metrics(torch.tensor(rewards), hits, list(range(12)), 3)
+    mean = {key: total / count for key, (total, count) in got.items()}
+    want = peer_rl.eval_pass_at_k(rewards, 3)
+    assert mean["pass3"] == pytest.approx(want["pass3"]) and mean["pass3"] == pytest.approx(
+        (1 + 0 + 1 + 0.9) / 4)
+    assert mean["pass1"] == pytest.approx(want["pass1"]) == mean["reward"]
+    assert mean["exact_match"] == pytest.approx(3 / 12)
+    assert mean["exact_match_pass3"] == pytest.approx(2 / 4)
+    assert got["pass3"][1] == 4 and got["pass1"][1] == 12  # prompts, samples
+    assert "pass1" in sampled_eval_metrics(torch.tensor(rewards[:3]), None, [1, 2, 3], 1)
+    assert "pass1" not in [k for k in sampled_eval_metrics(torch.ones(2), None, [1, 1], 1)
+                           if k.startswith("pass") and k != "pass1"]
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"eval_n_samples": 3}, "eval_n_samples=3 is invalid: greedy completions of one prompt "
+                            "are all alike; add --eval_temperature T (OpenRLHF's default 0.6) "
+                            "or use 1"),
+    ({"eval_temperature": -1.0}, "eval_temperature=-1.0 is invalid: use a temperature > 0, or 0 "
+                                 "for greedy"),
+    ({"eval_n_samples": 0}, "eval_n_samples=0 is invalid"),
+    ({"eval_temperature": 0.6, "reward_fn": None, "agent_func_path": "env.py"},
+     "eval_temperature=0.6 is invalid: held-out episodes are played greedily here"),
+])
+def test_eval_sampling_settings_are_refused_in_one_line(values, message):
+    values = {"reward_fn": "m:f", **values}
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        GRPOConfig(**values)

@@ -119,6 +119,8 @@ DOTTED: dict[str, tuple[str, ...]] = {
     "model.aux_loss_coef": ("--aux_loss_coef", "{}"),
     "actor.aux_loss_coef": ("--aux_loss_coef", "{}"),
     "actor.entropy_coef": ("--entropy_coef", "{}"),  # OpenRLHF's None (no logs) is our 0.0
+    "eval.temperature": ("--eval_temperature", "{}"),  # OpenRLHF's default 0.6, ours 0: greedy
+    "eval.n_samples_per_prompt": ("--eval_n_samples", "{}"),  # OpenRLHF's default 4, ours 1
     # ---- data
     "data.dataset": ("--dataset", "{}"),
     "data.dataset_probs": ("--dataset_probs", "{}"),  # comma-separated, both
@@ -328,8 +330,6 @@ REFUSED: dict[str, str] = {
                          "default); clip in --reward_fn",
     "algo.advantage.no_std_norm": "whitening here always divides by the std; --advantage_estimator "
                                   "dr_grpo is the group mean alone",
-    "eval.temperature": "held-out prompts are decoded greedily here, one completion each",
-    "eval.n_samples_per_prompt": "held-out prompts are decoded greedily here, one completion each",
     # ---- vision-language
     "data.image_key": _VLM,
     "data.max_images_per_prompt": _VLM,

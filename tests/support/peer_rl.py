@@ -330,3 +330,19 @@ def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
     pd = torch.nn.functional.softmax(logits, dim=-1)
     entropy = torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
     return entropy
+
+
+def eval_pass_at_k(rewards: list[float], n_samples_per_prompt: int) -> dict:
+    """OpenRLHF 0.11.0's ``openrlhf/trainer/ppo_trainer.py`` ``compute_eval_metrics``, its pass
+    figures for one data source: ``pass<k>`` the mean over prompts of each prompt's best reward,
+    ``pass1`` the mean over prompts of each prompt's mean reward."""
+    rewards = torch.tensor(rewards).reshape(-1, n_samples_per_prompt)
+    metrics = {f"pass{n_samples_per_prompt}": 0, "pass1": 0, "count": 0}
+    for i in range(rewards.shape[0]):
+        chunk = rewards[i]
+        if n_samples_per_prompt > 1:
+            metrics[f"pass{n_samples_per_prompt}"] += chunk.max().float().item()
+        metrics["pass1"] += chunk.mean().float().item()
+        metrics["count"] += 1
+    return {f"pass{n_samples_per_prompt}": metrics[f"pass{n_samples_per_prompt}"]
+            / metrics["count"], "pass1": metrics["pass1"] / metrics["count"]}

@@ -47,7 +47,8 @@ class ExperienceMaker:
     _components: dict  # the latest rollout's scores by reward
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 sample: bool, group: int = 1, max_new_tokens: int | None = None) -> torch.Tensor:
+                 sample: bool, group: int = 1, max_new_tokens: int | None = None,
+                 temperature: float | None = None) -> torch.Tensor:
         """Completions (right of the prompts; padded after their end) from the policy. Every rank
         calls this alike; under ZeRO-3 the ranks keep stepping until all are done.
 
@@ -58,21 +59,24 @@ class ExperienceMaker:
             group: rows come in runs of ``group`` copies of one prompt (its prompt's forward then
                 runs once: ``RolloutEngine.generate``).
             max_new_tokens: at most this many tokens (None: ``grpo.max_new_tokens``).
+            temperature: the sampling temperature (None: ``grpo.temperature``).
 
         Returns:
             The completion token ids, one row per prompt.
         """
         self._sync_rollouts()
         return generate_completions(self.rollouts, prompt_ids, prompt_mask,
-                                    self._settings(sample, max_new_tokens), group)
+                                    self._settings(sample, max_new_tokens, temperature), group)
 
-    def _settings(self, sample: bool, max_new_tokens: int | None = None) -> dict:
+    def _settings(self, sample: bool, max_new_tokens: int | None = None,
+                  temperature: float | None = None) -> dict:
         g = self.grpo
         settings = dict(max_new_tokens=max_new_tokens or g.max_new_tokens, do_sample=sample,
                         eos_token_id=self.tokenizer.eos_token_id,
                         pad_token_id=self.tokenizer.pad_token_id)
         if sample:
-            settings.update(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
+            settings.update(temperature=g.temperature if temperature is None else temperature,
+                            top_p=g.top_p, top_k=g.top_k)
         return settings
 
     def _sync_rollouts(self) -> None:

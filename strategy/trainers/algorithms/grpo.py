@@ -359,9 +359,28 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
                 yield Step(batches, rollout_metrics)
 
     # ------------------------------------------------------------ evaluation
+    def _sampled_eval(self, batch: dict) -> dict:
+        """``eval_n_samples`` completions of each held-out prompt at ``eval_temperature``, drawn
+        from the generator of (seed, step, rank) so a rerun evaluates the same samples."""
+        k = self.grpo.eval_n_samples
+        ids, mask = (batch[key].repeat_interleave(k, dim=0) for key in ("prompt_ids",
+                                                                        "prompt_mask"))
+        with sampling_rng(self.strategy.config.seed, self.global_step, self.strategy.rank):
+            completions = self._completions(self.generate(
+                ids, mask, sample=True, group=k, temperature=self.grpo.eval_temperature).cpu())
+        rows = [row for row in batch["rows"] for _ in range(k)]
+        texts = self._texts(completions)
+        rewards = self._score([p for p in batch["prompts"] for _ in range(k)], completions,
+                              texts, rows)
+        hits = None
+        if self.answer_key and all(self.answer_key in row for row in batch["rows"]):
+            hits = [t.strip() == str(r[self.answer_key]).strip() for t, r in zip(texts, rows)]
+        return sampled_eval_metrics(rewards, hits, [len(c) for c in completions], k)
+
     def eval_metrics(self, batch: dict) -> dict:
         """Greedy completions of held-out prompts: mean reward, exact match (when rows carry
-        ``answer_key``) and length.
+        ``answer_key``) and length; with ``--eval_temperature``, ``--eval_n_samples`` sampled
+        completions of each (``sampled_eval_metrics``).
 
         Args:
             batch: held-out prompts on the device.
@@ -369,6 +388,8 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
         Returns:
             ``(sum, count)`` pairs: ``reward``, ``completion_length``, maybe ``exact_match``.
         """
+        if self.grpo.eval_temperature > 0:
+            return self._sampled_eval(batch)
         if self.episodes is not None:  # greedy episodes; the answer is the last model turn
             with sampling_rng(self.strategy.config.seed, self.global_step, self.strategy.rank):
                 played = self.play(batch, sample=False, group=1).episodes
@@ -390,3 +411,33 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
                        for t, r in zip(texts, batch["rows"]))
             out["exact_match"] = (float(hits), n)
         return out
+
+
+def sampled_eval_metrics(rewards: torch.Tensor, hits: list[bool] | None, lengths: list[int],
+                         k: int) -> dict:
+    """Held-out metrics of ``k`` sampled completions per prompt (rows in runs of ``k``), as
+    OpenRLHF's ``compute_eval_metrics``: ``pass1`` (= ``reward``: the mean over every sample) and
+    ``pass<k>`` (each prompt's best reward, averaged over prompts); ``exact_match`` and
+    ``exact_match_pass<k>`` (a prompt with any sample right) likewise; ``completion_length``.
+
+    Args:
+        rewards: one reward per completion.
+        hits: whether each completion is the row's answer (None: no answers).
+        lengths: each completion's tokens.
+        k: completions per prompt.
+
+    Returns:
+        ``(sum, count)`` pairs.
+    """
+    n, prompts = len(lengths), len(lengths) // k
+    by_prompt = rewards.float().reshape(prompts, k)
+    out = {"reward": (by_prompt.sum().item(), n), "pass1": (by_prompt.sum().item(), n),
+           "completion_length": (float(sum(lengths)), n)}
+    if k > 1:
+        out[f"pass{k}"] = (by_prompt.max(dim=1).values.sum().item(), prompts)
+    if hits is not None:
+        right = torch.tensor(hits, dtype=torch.float).reshape(prompts, k)
+        out["exact_match"] = (right.sum().item(), n)
+        if k > 1:
+            out[f"exact_match_pass{k}"] = (right.max(dim=1).values.sum().item(), prompts)
+    return out

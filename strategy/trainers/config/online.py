@@ -57,6 +57,13 @@ class GRPOConfig:
                        "log-probs stay those of the whole distribution, as in TRL)", 1.0)
     top_k: int = doc("GRPO: sample among the k likeliest tokens (0: all; > 0: the log-probs "
                      "stay those of the whole distribution, as in TRL)", 0)
+    eval_temperature: float = doc(
+        "GRPO: held-out prompts sampled at this temperature (with --top_p/--top_k), "
+        "--eval_n_samples each (0: greedy, one each; OpenRLHF's --eval.temperature)", 0.0)
+    eval_n_samples: int = doc(
+        "GRPO: completions per held-out prompt when sampled: pass1 (their mean reward) and "
+        "pass<k> (each prompt's best, averaged) logged (OpenRLHF's --eval.n_samples_per_prompt)",
+        1)
     advantage_eps: float = doc("GRPO: added to a group's reward std before dividing", 1e-4)
     advantage_estimator: str = doc(
         "GRPO: advantages from outcome rewards (OpenRLHF's meanings): group_norm (GRPO: less the "
@@ -264,8 +271,21 @@ class GRPOConfig:
                  f"{count} ({', '.join(self.reward_names())})")
         return weights
 
+    def _check_eval_sampling(self) -> None:
+        check_positive(self, "eval_n_samples")
+        if self.eval_temperature < 0:
+            fail("eval_temperature", self.eval_temperature, "use a temperature > 0, or 0 for "
+                 "greedy")
+        if self.eval_n_samples > 1 and self.eval_temperature == 0:
+            fail("eval_n_samples", self.eval_n_samples, "greedy completions of one prompt are "
+                 "all alike; add --eval_temperature T (OpenRLHF's default 0.6) or use 1")
+        if self.eval_temperature > 0 and self.episodic:
+            fail("eval_temperature", self.eval_temperature, "held-out episodes are played "
+                 "greedily here; use 0 with --agent_func_path or --tools")
+
     def __post_init__(self) -> None:
         check_positive(self, "group_size", "ppo_epochs", "max_new_tokens")
+        self._check_eval_sampling()
         if self.reward_fn is None and self.reward_pretrain is None \
                 and self.remote_rm_url is None and self.agent_func_path is None:
             fail("reward_fn", None, "name a reward: --reward_fn module:function, "
