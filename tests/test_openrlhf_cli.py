@@ -110,3 +110,22 @@ def test_openrlhf_command_line_trains(ranks, hub, script):
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3]
     saved = hub / "checkpoint" / f"llama3-8b-{script.split('_')[1]}"
     assert (saved / "config.json").is_file() or (saved / "adapter_config.json").is_file()
+
+
+def test_vllm_sync_backend_is_taken_when_it_names_this_devices_backend():
+    """``--vllm.sync_backend``: gloo is taken on a machine without CUDA (nccl on one with it),
+    leaving nothing behind in our flags; the other is one line naming the right one."""
+    import torch
+
+    from strategy.cli.dotted import dotted_argv
+    from strategy.errors import ConfigError
+
+    right, wrong = ("nccl", "gloo") if torch.cuda.is_available() else ("gloo", "nccl")
+    assert dotted_argv(["--vllm.sync_backend", right, "--seed", "3"], "grpo") == ["--seed", "3"]
+    assert dotted_argv([f"--vllm.sync_backend={right}"], "grpo") == []
+    with pytest.raises(ConfigError) as err:
+        dotted_argv(["--vllm.sync_backend", wrong], "grpo")
+    device = "CUDA" if torch.cuda.is_available() else "CPU"
+    assert str(err.value) == (f"--vllm.sync_backend {wrong} (OpenRLHF's) is invalid on this "
+                              f"machine: its {device} device uses {right} here; pass {right} or "
+                              "drop it")

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import sys
 
-from strategy.cli.openrlhf_flags import DOTTED, PARSERS, PER_PARSER, REFUSED, VALUE_MAPS
+from strategy.cli.openrlhf_flags import (
+    DEVICE_FLAGS,
+    DOTTED,
+    PARSERS,
+    PER_PARSER,
+    REFUSED,
+    VALUE_MAPS,
+)
 from strategy.errors import ConfigError
 
 # our command -> the OpenRLHF parser whose flags it takes
@@ -36,6 +43,9 @@ def dotted_argv(argv: list[str], command: str | None = None) -> list[str]:
         name, eq, inline = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
         if name in REFUSED:
             raise ConfigError(f"--{name} (OpenRLHF's) is not supported here: {REFUSED[name]}")
+        if name in DEVICE_FLAGS:  # taken when it names what this machine's device uses
+            _check_device_flag(name, inline if eq else (rest.pop(0) if rest else ""))
+            continue
         if name not in table:
             out.append(arg)  # ours, or unknown: the parser refuses it with a close match
             continue
@@ -64,6 +74,17 @@ def _translate(name: str, template: tuple[str, ...], values: list[str],
     return filled + values
 
 
+def _check_device_flag(name: str, value: str) -> None:
+    """``DEVICE_FLAGS``' value for this machine's device (CUDA or CPU), or one line."""
+    import torch  # deferred: only when such a flag is given
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    right = DEVICE_FLAGS[name][device]
+    if value != right:
+        raise ConfigError(f"--{name} {value} (OpenRLHF's) is invalid on this machine: its "
+                          f"{device.upper()} device uses {right} here; pass {right} or drop it")
+
+
 def markdown_table() -> str:
     """Every flag of OpenRLHF 0.11's four parsers and what it becomes here, as the Markdown table
     of ``docs/commands.md`` (``python -m strategy.cli.dotted`` prints it; a test compares).
@@ -79,6 +100,10 @@ def markdown_table() -> str:
                if flag in t]
         if flag in REFUSED:
             here = f"refused: {REFUSED[flag]}"
+        elif flag in DEVICE_FLAGS:
+            here = "taken when it names the device's: " + ", ".join(
+                f"{value} on {device.upper()}" for device, value in DEVICE_FLAGS[flag].items()
+            ) + " (another: one line)"
         else:
             here = "; ".join([_shown(DOTTED[flag]) + _mapped(flag), *per])
         rows.append(f"| `--{flag}` | {parsers} | {here.replace('|', '&#124;')} |")

@@ -307,8 +307,6 @@ REFUSED: dict[str, str] = {
                       "turns scored): pass --messages_key <the --input_key field>",
     "model.margin_loss_enable": "the RM pairwise loss has no margin term here (--loss sigmoid)",
     # ---- vLLM
-    "vllm.sync_backend": ("engines of their own are synced over NCCL on CUDA and gloo on CPU, "
-                          "chosen by the device; drop it"),
     "vllm.sync_with_ray": _VLLM,
     "vllm.enable_prefix_caching": "our vLLM engines always cache prefixes; drop it",
     "rollout.vllm_generate_batch_size": _VLLM,
@@ -334,6 +332,11 @@ REFUSED: dict[str, str] = {
     "data.image_key": _VLM,
     "data.max_images_per_prompt": _VLM,
     "actor.freeze_visual_encoder": _VLM,
+}
+
+# flags whose one right value is the device's: taken when it is, one line otherwise
+DEVICE_FLAGS: dict[str, dict[str, str]] = {
+    "vllm.sync_backend": {"cuda": "nccl", "cpu": "gloo"},  # the weight sync's backend
 }
 
 PARSERS: dict[str, tuple[str, ...]] = {
