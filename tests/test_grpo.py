@@ -227,6 +227,72 @@ def test_held_out_prompts_sampled_k_times_log_pass_at_k(ranks, toy):
     assert not [key for key in greedy if key.startswith("pass")], greedy
 
 
+def split_rollout(root: str, name: str, replay: list | None = None, **extra) -> dict:
+    """GRPO recording each optimizer step's micro-batches (``replay`` None), or generating
+    nothing and training on ``replay``'s, this rank's, one step's per rollout, their "old"
+    log-probs taken here from the policy before its first update (frozen)."""
+    import os
+
+    from strategy.trainers import GRPOConfig, GRPOTrainer
+    from strategy.trainers.algorithms.preference import reference_model
+    from strategy.trainers.algorithms.rewards import build_rewards
+    from strategy.trainers.losses import token_logps
+    from strategy.trainers.run import Run
+
+    mine = None if replay is None else replay[int(os.environ["RANK"])]
+
+    class Split(GRPOTrainer):
+        def rollout(self, batch):
+            if mine is None:
+                return super().rollout(batch)
+            self.next_prompts()  # the prompt cursor moves as a rollout's would
+            if not fed:  # before any update: every replayed step's "old" log-probs, frozen
+                for batches, metrics in mine:
+                    batches = [{k: torch.from_numpy(v) if hasattr(v, "dtype") else v
+                                for k, v in b.items() if k != "old_logp"} for b in batches]
+                    with torch.no_grad():
+                        for b in batches:
+                            b["old_logp"] = token_logps(self.model, self.to_device(b),
+                                                        self.grpo.temperature)[0].cpu()
+                    fed.append((batches, metrics))
+            return fed[len(self.history)]
+
+        def train_steps(self, epoch, count):
+            for step in super().train_steps(epoch, count):  # numpy: tensors sent between
+                steps.append(([{k: v.cpu().numpy() if torch.is_tensor(v) else v  # processes
+                                for k, v in b.items()} for b in step.batches],  # leave a pymp
+                              dict(step.metrics)))  # folder behind (torch's fd sharing)
+                yield step
+
+    steps, fed = [], []
+    with Run.from_args(_argv(root, name, **extra), trainer=Split) as run:
+        model, grpo = run.model(), run.config(GRPOConfig)
+        trainer = run.trainer(Split, model, grpo=grpo, ref_model=reference_model(run, model),
+                              reward=build_rewards(run, grpo))
+        trainer.fit()
+    return {"history": trainer.history, "steps": steps}
+
+
+@pytest.mark.slow
+def test_a_rollout_of_two_train_batches_equals_two_rollouts_of_a_frozen_policy(ranks, toy):
+    """``--rollout_batch_size 8`` prompts x 4 = 32 completions in optimizer steps of 16 (OpenRLHF's
+    --rollout.batch_size with --train.batch_size): two updates per rollout, the second's ratio
+    to the policy that sampled it. The same samples fed as two rollouts of one step each, their
+    "old" log-probs those of that frozen policy, give the same two updates (losses, KL, ratio,
+    gradient norm, to 1e-6)."""
+    base = {"train_batch_size": 16, "ppo_epochs": 1, "max_steps": 2, "group_size": 4}
+    split = ranks.run(split_rollout, str(toy), "split", rollout_batch_size=8, **base)
+    assert [len(r["steps"]) for r in split] == [2, 2]  # one rollout, two steps, per rank
+    replay = [[step for step in r["steps"]] for r in split]
+    fed = ranks.run(split_rollout, str(toy), "fed", replay=replay, **base)
+    want, got = split[0]["history"], fed[0]["history"]
+    assert [r["step"] for r in want] == [r["step"] for r in got] == [1, 2]
+    for a, b in zip(want, got):
+        for key in ("loss", "kl", "ratio", "grad_norm", "reward", "completion_length"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), (a["step"], key)
+    assert want[1]["ratio"] != 1.0 and want[1]["kl"] > 0  # the second step's ratio is off 1
+
+
 def test_gspo_and_cispo_train_at_zero3_and_start_as_their_token_level_twins(ranks, toy):
     """At ZeRO-3, one rollout stepped twice per loss type. The first update has ratio 1, where
     GSPO's gradient is PPO's under the same mean over completions, and CISPO's is PPO's under the
@@ -527,6 +593,12 @@ CASES = [
                                    "module:function"),
     ({"reward_fn": None}, "reward_fn=None is invalid: name a reward"),
     ({"save_steps": 3}, "save_steps=3 is invalid: a rollout spans ppo_epochs=2 optimizer steps"),
+    ({"rollout_batch_size": 5}, "rollout_batch_size=5 is invalid: its 20 completions (x "
+     "group_size=4) must divide into optimizer steps of train_batch_size=32, and its prompts "
+     "over 2 data-parallel ranks"),
+    ({"rollout_batch_size": 16, "save_steps": 2}, "save_steps=2 is invalid: a rollout spans 4 "
+     "(ppo_epochs=2 passes over rollout_batch_size x group_size completions in steps of "
+     "train_batch_size) optimizer steps; use a multiple of 4"),
     ({"max_new_tokens": 24}, "max_new_tokens=24 is invalid: prompt and completion share "
                              "max_len=24"),
     ({"sequence_parallel_size": 2}, "sequence_parallel_size=2 is invalid: GRPO generates whole "

@@ -119,6 +119,7 @@ DOTTED: dict[str, tuple[str, ...]] = {
     "model.aux_loss_coef": ("--aux_loss_coef", "{}"),
     "actor.aux_loss_coef": ("--aux_loss_coef", "{}"),
     "actor.entropy_coef": ("--entropy_coef", "{}"),  # OpenRLHF's None (no logs) is our 0.0
+    "rollout.batch_size": ("--rollout_batch_size", "{}"),  # prompts per rollout, both
     "eval.temperature": ("--eval_temperature", "{}"),  # OpenRLHF's default 0.6, ours 0: greedy
     "eval.n_samples_per_prompt": ("--eval_n_samples", "{}"),  # OpenRLHF's default 4, ours 1
     # ---- data
@@ -315,8 +316,6 @@ REFUSED: dict[str, str] = {
     "train.dynamic_batch_enable": _TOKENS,
     "rollout.max_tokens_per_gpu": _TOKENS,
     "train.max_tokens_per_gpu": _TOKENS,
-    "rollout.batch_size": "a rollout here is one step's --train_batch_size completions "
-                          "(/ --group_size prompts), stepped --ppo_epochs times",
     "rollout.micro_batch_size": "the experience stage runs in --micro_train_batch_size "
                                 "micro-batches",
     "reward.normalize_enable": "no reward-model normalization here; --advantage_estimator "

@@ -80,12 +80,15 @@ def check_grpo(strategy_config: Any, train: Any, grpo: GRPOConfig, max_len: int,
         if getattr(strategy_config, name) > 1:
             fail(name, getattr(strategy_config, name), "GRPO generates whole sequences on every "
                  "rank; run it data-parallel (size 1)")
-    prompts_per_rank(strategy_config, world_size, grpo.group_size)
+    prompts_per_rank(strategy_config, world_size, grpo.group_size, grpo.rollout_batch_size)
+    span = grpo.updates_per_rollout(strategy_config.train_batch_size)
     for name in ("max_steps", "save_steps", "eval_steps"):
         value = getattr(train, name)
-        if value > 0 and value % grpo.ppo_epochs:
-            fail(name, value, f"a rollout spans ppo_epochs={grpo.ppo_epochs} optimizer steps; "
-                 f"use a multiple of {grpo.ppo_epochs}")
+        if value > 0 and value % span:
+            why = (f"ppo_epochs={grpo.ppo_epochs}" if grpo.rollout_batch_size is None else
+                   f"{span} (ppo_epochs={grpo.ppo_epochs} passes over rollout_batch_size x "
+                   "group_size completions in steps of train_batch_size)")
+            fail(name, value, f"a rollout spans {why} optimizer steps; use a multiple of {span}")
     if grpo.max_new_tokens >= max_len:
         fail("max_new_tokens", grpo.max_new_tokens, f"prompt and completion share max_len="
              f"{max_len}; raise --max_len or lower --max_new_tokens")
@@ -209,7 +212,8 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
         self.share_prompts = not strategy.config.partitions_parameters if shared is None \
             else shared
         self.ref_model = strategy.prepare(ref_model) if ref_model is not None else None
-        self.per_rank = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size)
+        self.per_rank = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size,
+                                         grpo.rollout_batch_size)
         self._old_logps: dict[int, torch.Tensor] = {}  # micro-batch -> first update's log-probs
         self.rollout_config = rollout or RolloutConfig()
         longest = longest_prompt(train_dataloader, eval_dataloader) + grpo.max_new_tokens
@@ -255,7 +259,7 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
         """
         tools = tool_schemas(load_tools(grpo.tools), grpo.tools) if grpo.tools else None
         return cls.data.loaders(strategy, tokenizer, data, grpo.group_size, grpo.max_new_tokens,
-                                tools=tools)
+                                tools=tools, rollout_batch_size=grpo.rollout_batch_size)
 
     @classmethod
     def plan(cls, strategy, num_samples: int, cfg, grpo: GRPOConfig | None = None,
@@ -271,9 +275,10 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
         Returns:
             The ``StepPlan``, in optimizer steps.
         """
-        per_rollout = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size)
+        per_rollout = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size,
+                                       grpo.rollout_batch_size)
         per_rollout *= strategy.data_parallel_size
-        ppo = grpo.ppo_epochs
+        ppo = grpo.updates_per_rollout(strategy.config.train_batch_size)
         rollouts = plan_steps(num_samples, per_rollout, cfg.max_epochs,
                               cfg.max_steps // ppo if cfg.max_steps > 0 else -1)
         return StepPlan(rollouts.steps_per_epoch * ppo, rollouts.total_steps * ppo)
@@ -291,9 +296,14 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
         Returns:
             ``(epoch, optimizer steps of that epoch already done)``.
         """
-        ppo = self.grpo.ppo_epochs
-        epoch, within = divmod(self.global_step // ppo, self._rounds_per_epoch)
-        return epoch, within * ppo
+        span = self._span
+        epoch, within = divmod(self.global_step // span, self._rounds_per_epoch)
+        return epoch, within * span
+
+    @property
+    def _span(self) -> int:
+        """Optimizer steps per rollout."""
+        return self.grpo.updates_per_rollout(self.strategy.config.train_batch_size)
 
     def checkpoint_state(self) -> dict:
         """The prompt cursor: rounds of prompts drawn (more than rollouts with
@@ -315,13 +325,12 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
         Args:
             state: what ``checkpoint_state`` saved.
         """
-        self._rounds_drawn = int(state.get("prompt_rounds",
-                                           self.global_step // self.grpo.ppo_epochs))
+        self._rounds_drawn = int(state.get("prompt_rounds", self.global_step // self._span))
         self.load_ahead(state.get("ahead") or [])
 
     @property
     def _rounds_per_epoch(self) -> int:
-        return max(self.step_plan.steps_per_epoch // self.grpo.ppo_epochs, 1)
+        return max(self.step_plan.steps_per_epoch // self._span, 1)
 
     def next_prompts(self) -> dict:
         """This rank's share of the next round of prompts (a round: one rollout's prompts on
@@ -349,14 +358,19 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
         Yields:
             ``Step``: the rollout's micro-batches and metrics, ``ppo_epochs`` times per rollout.
         """
-        for _ in range(count // self.grpo.ppo_epochs):
+        steps = self._span // self.grpo.ppo_epochs  # optimizer steps per pass over a rollout
+        for _ in range(count // self._span):
             if self.rollout_config.async_rollouts:
                 batches, rollout_metrics = self.rollout_ahead()
             else:
                 batches, rollout_metrics = self.rollout(self.next_prompts())
             self._old_logps = {}
+            if steps > 1:  # later steps' micro-batches: the rollout's policy, before any update
+                self.rollout_logps(batches)
+            per_step = len(batches) // steps
             for _ in range(self.grpo.ppo_epochs):
-                yield Step(batches, rollout_metrics)
+                for first in range(0, len(batches), per_step):
+                    yield Step(batches[first:first + per_step], rollout_metrics)
 
     # ------------------------------------------------------------ evaluation
     def _sampled_eval(self, batch: dict) -> dict:

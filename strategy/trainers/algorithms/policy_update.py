@@ -113,6 +113,22 @@ class PolicyUpdate:
                 b["advantages"] = whiten(b["advantages"], moments) * m
 
 
+    def rollout_logps(self, batches: list[dict]) -> None:
+        """Each micro-batch's ``old_logp`` (where the experience stage set none) from the policy
+        as it sampled the rollout: a rollout trained over several optimizer steps
+        (``--rollout_batch_size``) has micro-batches first seen after an update, whose ratio must
+        still be to the rollout's policy (OpenRLHF's ``action_log_probs``). Collective under
+        ZeRO-3: every rank holds as many micro-batches.
+
+        Args:
+            batches: the rollout's micro-batches, set in place.
+        """
+        with torch.no_grad():
+            for b in batches:
+                if "old_logp" not in b:
+                    b["old_logp"] = token_logps(self.model, self.to_device(b),
+                                                self.grpo.temperature)[0].cpu()
+
     def loss_counts(self, batch: dict) -> dict[str, int]:
         if "prompt_ids" in batch:  # evaluation: prompts
             return {"samples": int(batch["prompt_ids"].shape[0])}

@@ -50,7 +50,11 @@ class GRPOConfig:
         "GRPO: entropy bonus: the loss less entropy_coef x the scored tokens' entropy of the "
         "sampler's distribution, aggregated as the policy loss (OpenRLHF's --actor.entropy_coef; "
         "0: none; the entropy is logged either way)", 0.0)
-    ppo_epochs: int = doc("GRPO: optimizer steps per rollout batch (each over all of it)", 1)
+    ppo_epochs: int = doc("GRPO: passes over each rollout (OpenRLHF's --train.max_epochs)", 1)
+    rollout_batch_size: int | None = doc(
+        "GRPO: prompts per rollout on all ranks, each sampled group_size times; its completions "
+        "train in optimizer steps of train_batch_size (OpenRLHF's --rollout.batch_size; None: "
+        "one step's, train_batch_size / group_size)", None)
     max_new_tokens: int = doc("GRPO: longest completion in tokens", 64)
     temperature: float = doc("GRPO: sampling temperature", 1.0)
     top_p: float = doc("GRPO: nucleus sampling mass (< 1: samples from the head, while the "
@@ -162,6 +166,21 @@ class GRPOConfig:
         ``clip_eps``)."""
         low, high = self.clip_eps_low, self.clip_eps_high
         return (self.clip_eps if low is None else low, self.clip_eps if high is None else high)
+
+    def updates_per_rollout(self, train_batch_size: int) -> int:
+        """Optimizer steps per rollout: ``ppo_epochs`` passes, each of the rollout's
+        completions over ``train_batch_size`` steps.
+
+        Args:
+            train_batch_size: completions per optimizer step (all ranks).
+
+        Returns:
+            The steps one rollout trains for.
+        """
+        if self.rollout_batch_size is None:
+            return self.ppo_epochs
+        return self.ppo_epochs * max(
+            self.rollout_batch_size * self.group_size // train_batch_size, 1)
 
     @property
     def per_token(self) -> bool:
@@ -285,6 +304,8 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         check_positive(self, "group_size", "ppo_epochs", "max_new_tokens")
+        if self.rollout_batch_size is not None:
+            check_positive(self, "rollout_batch_size")
         self._check_eval_sampling()
         if self.reward_fn is None and self.reward_pretrain is None \
                 and self.remote_rm_url is None and self.agent_func_path is None:

@@ -155,21 +155,32 @@ def train_source(cfg: Any) -> dict:
     return {"split": cfg.dataset_split, "probabilities": cfg.probabilities()}
 
 
-def prompts_per_rank(strategy_config: Any, world_size: int, group_size: int) -> int:
-    """Prompts each rank samples per rollout: its completions per optimizer step (micro batch x
-    accumulation) in groups of ``group_size``.
+def prompts_per_rank(strategy_config: Any, world_size: int, group_size: int,
+                     rollout_batch_size: int | None = None) -> int:
+    """Prompts each rank samples per rollout: ``rollout_batch_size`` over the data-parallel
+    ranks, or (None) its completions per optimizer step (micro batch x accumulation) in groups
+    of ``group_size``.
 
     Raises:
-        ConfigError: the completions per step do not divide into groups.
+        ConfigError: the completions per step do not divide into groups, or a rollout's into
+            optimizer steps or ranks.
     """
-    per_rank = (strategy_config.micro_train_batch_size
+    dp = strategy_config.data_parallel_size(world_size)
+    per_step = (strategy_config.micro_train_batch_size
                 * strategy_config.accumulation_steps(world_size))
-    if per_rank % group_size:
-        dp = strategy_config.data_parallel_size(world_size)
+    if rollout_batch_size is not None:
+        samples = rollout_batch_size * group_size
+        if rollout_batch_size % dp or samples % strategy_config.train_batch_size:
+            fail("rollout_batch_size", rollout_batch_size,
+                 f"its {samples} completions (x group_size={group_size}) must divide into "
+                 f"optimizer steps of train_batch_size={strategy_config.train_batch_size}, and "
+                 f"its prompts over {dp} data-parallel ranks")
+        return rollout_batch_size // dp
+    if per_step % group_size:
         fail("train_batch_size", strategy_config.train_batch_size,
-             f"each rank's {per_rank} completions per step (micro x accumulation) must divide "
+             f"each rank's {per_step} completions per step (micro x accumulation) must divide "
              f"into groups of group_size={group_size}; use a multiple of {group_size * dp}")
-    return per_rank // group_size
+    return per_step // group_size
 
 
 @dataclass(frozen=True)
@@ -178,7 +189,8 @@ class PromptSpec:
     size), left-padded; held-out prompts in order."""
 
     def loaders(self, strategy: Any, tokenizer: Any, cfg: Any, group_size: int,
-                max_new_tokens: int, tools: list[dict] | None = None) -> tuple[Any, Any]:
+                max_new_tokens: int, tools: list[dict] | None = None,
+                rollout_batch_size: int | None = None) -> tuple[Any, Any]:
         """(train, held-out) prompt loaders.
 
         Args:
@@ -188,6 +200,7 @@ class PromptSpec:
             group_size: completions sampled per prompt.
             max_new_tokens: the longest completion (a prompt gets ``max_len`` less this).
             tools: tool schemas for the chat template (``--tools``), or None.
+            rollout_batch_size: prompts per rollout on all ranks (None: one optimizer step's).
 
         Returns:
             The training loader and the held-out loader (None without ``--eval_dataset``).
@@ -195,7 +208,8 @@ class PromptSpec:
         Raises:
             ConfigError: fewer prompts than one rollout takes.
         """
-        per_rank = prompts_per_rank(strategy.config, strategy.world_size, group_size)
+        per_rank = prompts_per_rank(strategy.config, strategy.world_size, group_size,
+                                    rollout_batch_size)
         longest = cfg.max_len - max_new_tokens
         collate_fn = collate.collate_prompts(tokenizer.pad_token_id)
         train = files.load_prompts(cfg.dataset, tokenizer, cfg, longest, cfg.max_samples,
