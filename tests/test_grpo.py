@@ -291,6 +291,7 @@ def test_a_rollout_of_two_train_batches_equals_two_rollouts_of_a_frozen_policy(r
         for key in ("loss", "kl", "ratio", "grad_norm", "reward", "completion_length"):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), (a["step"], key)
     assert want[1]["ratio"] != 1.0 and want[1]["kl"] > 0  # the second step's ratio is off 1
+    assert [r["rollout"] for r in want] == [1, 1] and [r["rollout"] for r in got] == [1, 2]
 
 
 def test_gspo_and_cispo_train_at_zero3_and_start_as_their_token_level_twins(ranks, toy):

@@ -365,6 +365,8 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
             else:
                 batches, rollout_metrics = self.rollout(self.next_prompts())
             self._old_logps = {}
+            number = self.global_step // self._span + 1  # logged: the rollout apart from the step
+            rollout_metrics = {**rollout_metrics, "rollout": (float(number), 1)}
             if steps > 1:  # later steps' micro-batches: the rollout's policy, before any update
                 self.rollout_logps(batches)
             per_step = len(batches) // steps
