@@ -34,7 +34,11 @@ from strategy.ema import EMA, moving_average
 from strategy.engines import check_training_engine, unpackable
 from strategy.errors import CheckpointFileError, fail
 from strategy.export import save_model, save_model_metadata
-from strategy.internals import release_tensor_parallel_groups, restart_adam_powers
+from strategy.internals import (
+    cache_cpu_info,
+    release_tensor_parallel_groups,
+    restart_adam_powers,
+)
 from strategy.log import get_logger
 from strategy.model import ModelFactory
 from strategy.optim import OptimConfig, build_optimizer, create_scheduler, get_param_groups
@@ -53,6 +57,7 @@ from strategy.rollout.vllm_checks import check_vllm_settings
 from strategy.sampler import ResumableDistributedSampler, ShardSampler
 
 export_log = get_logger("export")
+cache_cpu_info()  # DeepSpeed's op loads ask py-cpuinfo 5 times a rank (~6 s of CPU): once a machine
 
 
 class DeepSpeedStrategy:

@@ -8,6 +8,20 @@ from tests.support.ranks import Ranks
 
 LEFTOVERS = Leftovers()  # at import: the marker and temp root reach every process tests start
 
+
+def _answer_cpu_info_once() -> None:
+    """py-cpuinfo's answer (~1 s of CPU, asked 5 times by each rank's DeepSpeed op loads) in
+    ``STRATEGY_CPU_INFO`` before any job starts, so none of the suite's ranks asks again."""
+    import cpuinfo
+
+    from strategy.internals import cache_cpu_info
+
+    cache_cpu_info()
+    cpuinfo.get_cpu_info()
+
+
+_answer_cpu_info_once()
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ[_switch] = "1"  # nothing in the tests may reach a hub

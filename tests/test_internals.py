@@ -312,3 +312,39 @@ def test_zero_optimizers_count_micro_steps_where_begin_submodule_forward_calls()
     internals.begin_submodule_forward(engine)
     internals.begin_submodule_forward(nn.Linear(1, 1))  # no optimizer: nothing to do
     assert engine.optimizer.calls == 1
+
+
+def test_py_cpuinfo_is_asked_once_per_machine(monkeypatch):
+    """``cache_cpu_info``: DeepSpeed's op builders (``cpu_arch``, ``simd_width``) get py-cpuinfo's
+    answer without asking it again (5 asks per rank before, each a Python subprocess); the
+    answer travels to started processes in ``STRATEGY_CPU_INFO`` with its host's name, and
+    another host's answer is not used. py-cpuinfo's own call is stood in for by a counter (the
+    real one: ~1 s of CPU)."""
+    import json
+    import socket
+
+    import cpuinfo
+    from deepspeed.ops.op_builder import FusedAdamBuilder
+
+    from strategy.internals import cache_cpu_info
+    from strategy.internals.deepspeed import CPU_INFO_VAR
+
+    asked = []
+    answer = {"arch": "X86_64", "flags": ["avx2", "avx512f"], "brand_raw": "test"}
+
+    def ask():
+        asked.append(1)
+        return dict(answer)
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", ask)
+    monkeypatch.delenv(CPU_INFO_VAR, raising=False)
+    cache_cpu_info()
+    builder = FusedAdamBuilder()
+    assert builder.cpu_arch() == "-march=native" and builder.simd_width() == "-D__AVX512__"
+    assert cpuinfo.get_cpu_info() == answer and len(asked) == 1  # 3 answers, 1 ask
+    host, saved = json.loads(__import__("os").environ[CPU_INFO_VAR])
+    assert host == socket.gethostname() and saved == answer
+    monkeypatch.setenv(CPU_INFO_VAR, json.dumps(["another-node", {"arch": "PPC_64", "flags": []}]))
+    assert cpuinfo.get_cpu_info() == answer and len(asked) == 2  # not another node's
+    monkeypatch.setenv(CPU_INFO_VAR, json.dumps([socket.gethostname(), {"arch": "riscv64"}]))
+    assert builder.cpu_arch() == "-march=rv64gc" and len(asked) == 2  # a started process's

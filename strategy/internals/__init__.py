@@ -14,6 +14,7 @@ May import: ``strategy.errors`` only (layer 1: everything else imports it).
 
 from strategy.internals.deepspeed import (
     begin_submodule_forward,
+    cache_cpu_info,
     cpu_adam_op,
     deepspeed_config_keys,
     engine_counters,
@@ -49,7 +50,8 @@ from strategy.internals.transformers import (
 )
 from strategy.internals.vllm import cpu_shm_names, unlink_cpu_shm
 
-__all__ = ["attn_implementation", "begin_submodule_forward", "convert_to_universal", "cpu_adam_op",
+__all__ = ["attn_implementation", "begin_submodule_forward", "cache_cpu_info",
+           "convert_to_universal", "cpu_adam_op",
            "cpu_shm_names", "deepspeed_checkpoint_globals", "deepspeed_config_keys",
            "default_store",
            "engine_counters", "engine_measures_grad_norm", "fit_ulysses_to_batch", "full_numel",

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import math
 import os
+import socket
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator
 
@@ -255,3 +257,39 @@ def multi_tensor_adam(chunk_size: int) -> Callable:
     op = FusedAdamBuilder().load().multi_tensor_adam
     applier = MultiTensorApply(chunk_size)
     return functools.partial(applier, op)
+
+
+# ------------------------------------------------------------ py-cpuinfo, once per machine
+CPU_INFO_VAR = "STRATEGY_CPU_INFO"  # [host name, py-cpuinfo's answer], for the processes started
+
+
+def cache_cpu_info() -> None:
+    """Answer py-cpuinfo's ``get_cpu_info`` once per machine. DeepSpeed's op builders call it
+    on every op load, cached or not (``OpBuilder.cpu_arch`` and ``simd_width``; and
+    ``DeepSpeedCPUAdam``), and each call runs a Python subprocess (``cpuinfo.py --json``: ~1 s
+    of CPU here), in every rank. The first answer is kept in this process and in
+    ``STRATEGY_CPU_INFO`` with its host's name, so the processes this one starts (ranks,
+    engines, a test's jobs) reuse it; another host's answer (a variable carried to another node)
+    is not used. It patches the module attribute DeepSpeed imports the function from at each
+    call."""
+    try:
+        import cpuinfo  # DeepSpeed's dependency
+    except ImportError:
+        return
+    if getattr(cpuinfo.get_cpu_info, "answered_once", False):
+        return
+    ask = cpuinfo.get_cpu_info
+
+    def get_cpu_info() -> dict:
+        host = socket.gethostname()
+        try:
+            saved_host, info = json.loads(os.environ.get(CPU_INFO_VAR) or "[null, null]")
+        except ValueError:
+            saved_host, info = None, None
+        if saved_host != host or not isinstance(info, dict):
+            info = ask()
+            os.environ[CPU_INFO_VAR] = json.dumps([host, info])
+        return dict(info)
+
+    get_cpu_info.answered_once = True
+    cpuinfo.get_cpu_info = get_cpu_info
