@@ -294,6 +294,23 @@ def test_a_rollout_of_two_train_batches_equals_two_rollouts_of_a_frozen_policy(r
     assert [r["rollout"] for r in want] == [1, 1] and [r["rollout"] for r in got] == [1, 2]
 
 
+@pytest.mark.slow
+def test_a_run_of_rollouts_spanning_two_steps_resumes_exactly_between_rollouts(ranks, toy):
+    """``--rollout_batch_size 16`` (64 completions, two optimizer steps of 32 per rollout), four
+    steps, a checkpoint after the first rollout: resumed there, steps 3 and 4 (the second
+    rollout, sampled and trained again) are bit-identical."""
+    settings = {"rollout_batch_size": 16, "ppo_epochs": 1, "max_steps": 4, "save_steps": 2}
+    keys = ("loss", "reward", "kl", "ratio", "grad_norm", "completion_length", "rollout")
+    full = ranks.run(train, str(toy), "spans", **settings)[0]["history"]
+    assert [row["rollout"] for row in full] == [1, 1, 2, 2]
+    ckpt = toy / "spans" / "ckpt"
+    shutil.rmtree(ckpt / "global_step4")
+    (ckpt / "latest").write_text("global_step2")
+    resumed = ranks.run(train, str(toy), "spans", load_checkpoint=True, **settings)[0]["history"]
+    assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys}
+                                                          for r in full[2:]]
+
+
 def test_gspo_and_cispo_train_at_zero3_and_start_as_their_token_level_twins(ranks, toy):
     """At ZeRO-3, one rollout stepped twice per loss type. The first update has ratio 1, where
     GSPO's gradient is PPO's under the same mean over completions, and CISPO's is PPO's under the
