@@ -145,11 +145,11 @@ def test_token_entropy_equals_openrlhfs_of_the_samplers_logits(temperature):
 def test_sampled_eval_metrics_equal_openrlhfs_pass_at_k():
     """``--eval_n_samples 3``: ``pass3`` and ``pass1`` (as ``(sum, count)`` pairs, every rank's
     summed) equal OpenRLHF's ``compute_eval_metrics`` on the same rewards; exact match alike."""
-    from strategy.trainers.algorithms.grpo import sampled_eval_metrics
+    from strategy.trainers.algorithms.grpo import eval_figures
 
     rewards = [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.2, 0.9, 0.4]  # 4 prompts x 3
     hits = [False, True, False, False, False, False, True, True, False, False, False, False]
-    got = sampled_eval_metrics(torch.tensor(rewards), hits, list(range(12)), 3)
+    got = eval_figures(torch.tensor(rewards), hits, list(range(12)), 3, sampled=True)
     mean = {key: total / count for key, (total, count) in got.items()}
     want = peer_rl.eval_pass_at_k(rewards, 3)
     assert mean["pass3"] == pytest.approx(want["pass3"]) and mean["pass3"] == pytest.approx(
@@ -158,8 +158,8 @@ def test_sampled_eval_metrics_equal_openrlhfs_pass_at_k():
     assert mean["exact_match"] == pytest.approx(3 / 12)
     assert mean["exact_match_pass3"] == pytest.approx(2 / 4)
     assert got["pass3"][1] == 4 and got["pass1"][1] == 12  # prompts, samples
-    assert "pass1" in sampled_eval_metrics(torch.tensor(rewards[:3]), None, [1, 2, 3], 1)
-    assert "pass1" not in [k for k in sampled_eval_metrics(torch.ones(2), None, [1, 1], 1)
+    assert "pass1" in eval_figures(torch.tensor(rewards[:3]), None, [1, 2, 3], 1, sampled=True)
+    assert "pass1" not in [k for k in eval_figures(torch.ones(2), None, [1, 1], 1, sampled=True)
                            if k.startswith("pass") and k != "pass1"]
 
 

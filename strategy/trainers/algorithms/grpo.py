@@ -375,28 +375,11 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
                     yield Step(batches[first:first + per_step], rollout_metrics)
 
     # ------------------------------------------------------------ evaluation
-    def _sampled_eval(self, batch: dict) -> dict:
-        """``eval_n_samples`` completions of each held-out prompt at ``eval_temperature``, drawn
-        from the generator of (seed, step, rank) so a rerun evaluates the same samples."""
-        k = self.grpo.eval_n_samples
-        ids, mask = (batch[key].repeat_interleave(k, dim=0) for key in ("prompt_ids",
-                                                                        "prompt_mask"))
-        with sampling_rng(self.strategy.config.seed, self.global_step, self.strategy.rank):
-            completions = self._completions(self.generate(
-                ids, mask, sample=True, group=k, temperature=self.grpo.eval_temperature).cpu())
-        rows = [row for row in batch["rows"] for _ in range(k)]
-        texts = self._texts(completions)
-        rewards = self._score([p for p in batch["prompts"] for _ in range(k)], completions,
-                              texts, rows)
-        hits = None
-        if self.answer_key and all(self.answer_key in row for row in batch["rows"]):
-            hits = [t.strip() == str(r[self.answer_key]).strip() for t, r in zip(texts, rows)]
-        return sampled_eval_metrics(rewards, hits, [len(c) for c in completions], k)
-
     def eval_metrics(self, batch: dict) -> dict:
         """Greedy completions of held-out prompts: mean reward, exact match (when rows carry
         ``answer_key``) and length; with ``--eval_temperature``, ``--eval_n_samples`` sampled
-        completions of each (``sampled_eval_metrics``).
+        completions of each, drawn from the generator of (seed, step, rank) so a rerun evaluates
+        the same samples (``eval_figures``).
 
         Args:
             batch: held-out prompts on the device.
@@ -404,51 +387,57 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
         Returns:
             ``(sum, count)`` pairs: ``reward``, ``completion_length``, maybe ``exact_match``.
         """
-        if self.grpo.eval_temperature > 0:
-            return self._sampled_eval(batch)
-        if self.episodes is not None:  # greedy episodes; the answer is the last model turn
-            with sampling_rng(self.strategy.config.seed, self.global_step, self.strategy.rank):
+        g = self.grpo
+        sampled, k = g.eval_temperature > 0, g.eval_n_samples  # k is 1 unless sampled
+        rows = [row for row in batch["rows"] for _ in range(k)]
+        with sampling_rng(self.strategy.config.seed, self.global_step, self.strategy.rank):
+            if self.episodes is not None:  # greedy episodes; the answer is the last model turn
                 played = self.play(batch, sample=False, group=1).episodes
+            else:
+                ids, mask = (batch[key].repeat_interleave(k, dim=0)
+                             for key in ("prompt_ids", "prompt_mask"))
+                completions = self._completions(self.generate(
+                    ids, mask, sample=sampled, group=k, temperature=g.eval_temperature).cpu())
+        if self.episodes is not None:
             texts = self._texts([e.last_turn() for e in played])
             rewards = torch.tensor([e.reward for e in played])
             lengths = [sum(e.model) for e in played]
         else:
-            completions = self._completions(self.generate(
-                batch["prompt_ids"], batch["prompt_mask"], sample=False).cpu())
             texts = self._texts(completions)
-            rewards = self._score(batch["prompts"], completions, texts, batch["rows"])
+            rewards = self._score([p for p in batch["prompts"] for _ in range(k)], completions,
+                                  texts, rows)
             lengths = [len(c) for c in completions]
-        n = len(texts)
-        out = {"reward": (rewards.sum().item(), n), "completion_length": (float(sum(lengths)), n)}
+        hits = None
+        if self.answer_key and all(self.answer_key in row for row in batch["rows"]):
+            hits = [t.strip() == str(r[self.answer_key]).strip() for t, r in zip(texts, rows)]
+        out = eval_figures(rewards, hits, lengths, k, sampled)
         if self.episodes is not None:
             out.update(self.episodes.metrics(played))
-        if self.answer_key and all(self.answer_key in row for row in batch["rows"]):
-            hits = sum(t.strip() == str(r[self.answer_key]).strip()
-                       for t, r in zip(texts, batch["rows"]))
-            out["exact_match"] = (float(hits), n)
         return out
 
-
-def sampled_eval_metrics(rewards: torch.Tensor, hits: list[bool] | None, lengths: list[int],
-                         k: int) -> dict:
-    """Held-out metrics of ``k`` sampled completions per prompt (rows in runs of ``k``), as
-    OpenRLHF's ``compute_eval_metrics``: ``pass1`` (= ``reward``: the mean over every sample) and
-    ``pass<k>`` (each prompt's best reward, averaged over prompts); ``exact_match`` and
-    ``exact_match_pass<k>`` (a prompt with any sample right) likewise; ``completion_length``.
+def eval_figures(rewards: torch.Tensor, hits: list[bool] | None, lengths: list[int],
+                 k: int = 1, sampled: bool = False) -> dict:
+    """Held-out metrics of ``k`` completions per prompt (rows in runs of ``k``): ``reward`` (the
+    mean over every completion), ``completion_length`` and ``exact_match``; sampled, as
+    OpenRLHF's ``compute_eval_metrics``, also ``pass1`` (= ``reward``) and ``pass<k>`` (each
+    prompt's best reward, averaged over prompts), and ``exact_match_pass<k>`` (a prompt with any
+    sample right).
 
     Args:
         rewards: one reward per completion.
         hits: whether each completion is the row's answer (None: no answers).
         lengths: each completion's tokens.
         k: completions per prompt.
+        sampled: whether they were sampled (greedy: no pass figures).
 
     Returns:
         ``(sum, count)`` pairs.
     """
     n, prompts = len(lengths), len(lengths) // k
     by_prompt = rewards.float().reshape(prompts, k)
-    out = {"reward": (by_prompt.sum().item(), n), "pass1": (by_prompt.sum().item(), n),
-           "completion_length": (float(sum(lengths)), n)}
+    out = {"reward": (by_prompt.sum().item(), n), "completion_length": (float(sum(lengths)), n)}
+    if sampled:
+        out["pass1"] = out["reward"]
     if k > 1:
         out[f"pass{k}"] = (by_prompt.max(dim=1).values.sum().item(), prompts)
     if hits is not None:

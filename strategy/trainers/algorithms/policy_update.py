@@ -98,9 +98,7 @@ class PolicyUpdate:
                 rewards = b["turn_rewards"].float() * mask
             offset += rows
             if g.kl_in_reward and "ref_logp" in b:  # the rollout's policy against the reference
-                with torch.no_grad():
-                    b["old_logp"] = token_logps(self.model, self.to_device(b),
-                                                g.temperature)[0].cpu()
+                self.rollout_logps([b])
                 rewards = rewards - g.kl_coef * kl_estimate(b["old_logp"], b["ref_logp"],
                                                             g.kl_estimator) * mask
             b["advantages"] = estimate(rewards, mask, b)
