@@ -58,6 +58,14 @@ def nothing_left():
     assert not left, f"the test session left these behind (now removed):\n{left}"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Which test is running, for what the session leaves behind (``Leftovers.seen``)."""
+    LEFTOVERS.test = item.nodeid
+    yield
+    LEFTOVERS.test = f"(after {item.nodeid})"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an accelerator; skipped on CPU-only machines")
     config.addinivalue_line("markers", "slow: spawns processes or trains; still part of CI")

@@ -55,6 +55,40 @@ def test_ci_turns_capability_skips_into_failures_and_hangs_time_out(tmp_path):
     assert "2 failed, 1 passed, 1 skipped" in ci, ci
 
 
+LEAK_PROBE = '''
+import subprocess
+import sys
+import time
+
+
+def test_fine():
+    assert True
+
+
+def test_leaks_a_semaphore():
+    # a named semaphore as multiprocessing's spawn context makes one, left by a process that ends
+    make = "import _multiprocessing; _multiprocessing.SemLock(1, 1, 1, '/mp-probe{tag}', False)"
+    subprocess.run([sys.executable, "-c", make], check=True)
+    time.sleep(1.5)  # seen by the session's watcher while this test runs
+
+
+def test_after():
+    assert True
+'''
+
+
+def test_what_the_session_leaves_names_the_test_that_made_it(tmp_path):
+    """A /dev/shm entry left by the session fails it, named with the test running when it first
+    appeared (not the session's last test, where the failure is reported), and is removed."""
+    tag = os.urandom(4).hex()
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(LEAK_PROBE.replace("{tag}", tag))
+    out = _pytest(probe, ci=False)
+    assert f"sem.mp-probe{tag} first seen during test_probe.py::test_leaks_a_semaphore" in out, out
+    assert "3 passed, 1 error" in out, out
+    assert not Path(f"/dev/shm/sem.mp-probe{tag}").exists()
+
+
 def test_a_job_past_its_timeout_dies_with_its_whole_process_group(tmp_path):
     """``run_job`` (every launched test job) kills what the job started too, as a launcher's
     ranks, then fails naming the command."""

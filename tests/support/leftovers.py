@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 
 SESSION_VAR = "STRATEGY_TEST_SESSION"
@@ -38,6 +39,17 @@ class Leftovers:
         os.environ["TMPDIR"] = self.root
         tempfile.tempdir = None  # gettempdir() reads TMPDIR again
         self.shm_before = set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+        self.test = "(between tests)"  # the test running now, set by conftest's hook
+        self.seen: dict[str, str] = {}  # each /dev/shm entry made since, and during which test
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self, every: float = 0.5) -> None:
+        """Notes which test was running when each /dev/shm entry first appeared, so what is
+        left at the end names the test that made it (the session only sees it at its end)."""
+        while os.path.isdir(SHM):
+            for name in set(os.listdir(SHM)) - self.shm_before:
+                self.seen.setdefault(name, self.test)
+            time.sleep(every)
 
     def processes(self) -> list[tuple[int, str]]:
         """Live processes of this session other than this one: (pid, command line)."""
@@ -86,6 +98,8 @@ class Leftovers:
                             (f"temp files in {self.root}", self.temp())):
             if items:
                 lines.append(f"{what}: {items}")
+        for name in self.shm():
+            lines.append(f"  {name} first seen during {self.seen.get(name, 'the last test')}")
         return "\n".join(lines)
 
     def clear(self) -> None:
