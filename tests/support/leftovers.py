@@ -93,12 +93,12 @@ class Leftovers:
         deadline = time.monotonic() + grace
         while self.processes() and time.monotonic() < deadline:
             time.sleep(0.5)
-        lines = []
-        for what, items in (("processes", self.processes()), ("/dev/shm entries", self.shm()),
+        lines, shm = [], self.shm()
+        for what, items in (("processes", self.processes()), ("/dev/shm entries", shm),
                             (f"temp files in {self.root}", self.temp())):
             if items:
                 lines.append(f"{what}: {items}")
-        for name in self.shm():
+        for name in shm:
             lines.append(f"  {name} first seen during {self.seen.get(name, 'the last test')}")
         return "\n".join(lines)
 

@@ -24,6 +24,11 @@ GRACE_S = 20  # how long the other ranks get to finish after one rank failed
 
 
 def _worker(rank: int, env: dict, tasks: mp.Queue, results: mp.Queue) -> None:
+    # a spawned child inherits "spawn" as its default start method, under which a lock made
+    # with the default context (tqdm's, one per process) is a named semaphore unlinked only at a
+    # clean exit: a rank killed at close left it in /dev/shm. A launcher's rank has "fork", which
+    # unlinks it at once: so do these
+    mp.set_start_method("fork", force=True)
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     while (task := tasks.get()) is not None:
@@ -154,5 +159,11 @@ class Ranks:
         return pool.run(fn, *args, timeout=timeout, **kwargs)
 
     def close(self) -> None:
+        """Every pool ended, and their queues' semaphores unlinked now (collected), not at some
+        later collection: the session's leftovers check comes next."""
+        import gc
+
         for pool in self.pools.values():
             pool.close()
+        self.pools.clear()
+        gc.collect()
