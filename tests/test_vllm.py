@@ -78,14 +78,11 @@ def _run(root, name: str, **extra) -> dict:
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["zero2_tp2", "zero3_icepop_agent", "lora_tis_tools",
-                                  "zero3_engine_process_tp2"])
+@pytest.mark.parametrize("case", ["zero2_tp2", "zero3_icepop_agent", "lora_tis_tools"])
 def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
     """After each of 4 updates the vLLM engine, synced from the training engine (ZeRO-2 with
     tied word embeddings and one engine spanning both ranks, ZeRO-3 partitioned, LoRA merged on
-    the fly, those two an engine per rank, and ZeRO-3 tied with one engine of two processes of
-    its own, tensor parallel, serving both ranks, its weights broadcast from rank 0 to both
-    processes over a process group of their own), gives the held-out
+    the fly, those two an engine per rank), gives the held-out
     prompts' greedy completions the policy's own module gives; the policy moved meanwhile (so
     each sync is checked, not only the first); each rollout logs its sync time and the engine's
     log-probs beside the trainer's (a few 1e-6 apart in fp32); the correction's weights are ~1
@@ -103,15 +100,10 @@ def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
                                 "max_new_tokens": 24, "apply_chat_template": True,
                                 "dataset": f"{toy}/tools/data/train.jsonl",
                                 "eval_dataset": f"{toy}/tools/data/test.jsonl",
-                                "tools": "strategy.demos.toy_tools:TOOLS"},
-             "zero3_engine_process_tp2": {"zero_stage": 3, "pretrain": f"{toy}/init_tied",
-                                          "vllm_num_engines": 1,
-                                          "vllm_tensor_parallel_size": 2}}[case]
+                                "tools": "strategy.demos.toy_tools:TOOLS"}}[case]
     out = _run(toy, case, **extra)
-    assert out["engine"] == ("RemoteVllmRollout" if "process" in case else "VllmRollout")
-    ranks = 2 if "process" in case else extra.get("vllm_tensor_parallel_size", 1)
-    assert out["engine_ranks"] == ranks  # ranks per engine
-    assert out["engine_processes"] == (2 if "process" in case else 0)  # its own, apart
+    assert out["engine"] == "VllmRollout"
+    assert out["engine_ranks"] == extra.get("vllm_tensor_parallel_size", 1)  # ranks per engine
     checks = out["checks"]
     assert [c["step"] for c in checks] == [0, 1, 2, 3]
     for check in checks:
@@ -138,22 +130,13 @@ def test_vllm_greedy_equals_hf_after_every_sync(toy, case):
 @pytest.mark.parametrize("fault, line", [
     ("raise", "vLLM engine on rank 1 failed in generate: RuntimeError: injected engine failure"),
     ("hang", "the vLLM engine on rank 1 (generate) did not return within --vllm_timeout=8 s"),
-    ("kill", "vLLM engine 0 (a process of its own, serving ranks 0-1) failed in generate: "
-             "ConnectionError: its process (pid "),
-    ("stop", "the vLLM engine 0 (a process of its own, serving ranks 0-1) (generate) did not "
-             "return within --vllm_timeout=20 s"),
-    ("die", None),
 ])
 def test_an_engine_that_fails_or_hangs_stops_every_rank_in_one_line(toy, fault, line):
-    """Rank 1's engine raises, or hangs, in the second rollout, or (``--vllm_num_engines 1``)
-    the engine's own process is killed, or stopped (SIGSTOP: it hangs), there: the job ends (a
-    hang after --vllm_timeout) with one line naming the engine, the call and the rank(s); or
-    rank 0, which started the engine process, is killed there (the launcher then stops rank 1).
-    The checkpoint saved before it is whole; no process of the job is left, the engine's
-    included (a stopped one too)."""
-    extra = {"vllm_num_engines": 1} if fault in ("kill", "stop", "die") else {}
-    if fault == "hang":  # an engine in the rank: its start is not under the deadline, 8 s idle
-        extra["vllm_timeout"] = 8
+    """Rank 1's engine raises, or hangs, in the second rollout: the job ends (a hang after
+    --vllm_timeout) with one line naming the engine, the call and the rank. The checkpoint saved
+    before it is whole; no process of the job is left. (Engines apart from training, killed or
+    stopped, and a killed rank: tests/test_ray.py.)"""
+    extra = {"vllm_timeout": 8} if fault == "hang" else {}  # its start is not under it: 8 s idle
     _fails_in_one_line(toy, fault, line, **extra)
 
 
@@ -175,51 +158,13 @@ def _fails_in_one_line(toy, fault: str, line: str | None, **extra) -> None:
     _nothing_left(toy, fault)
 
 
-@needs_vllm
-@pytest.mark.slow
-def test_a_killed_tensor_parallel_engine_leaves_nothing_and_the_next_one_starts(toy):
-    """An engine of its own of two processes (tensor parallel) whose second process is killed
-    in the second rollout: one line on every rank naming the process; nothing of it is left in
-    /dev/shm (vLLM's CPU shared memory, which only a normal exit would unlink, is named after
-    the engine and unlinked once both processes have mapped it), so the next tensor-parallel
-    engine on this machine starts and trains (before, it failed: ``create shm in SHMManager
-    failed. errno: 17``)."""
-    before = set(os.listdir("/dev/shm"))
-    _fails_in_one_line(toy, "kill_tp", "vLLM engine 0 (2 processes of its own, serving ranks "
-                       "0-1) failed in generate: ConnectionError: its process 1 (pid ",
-                       vllm_num_engines=1, vllm_tensor_parallel_size=2, vllm_timeout=60)
-    assert not set(os.listdir("/dev/shm")) - before
-    out = _run(toy, "after_kill_tp", vllm_num_engines=1, vllm_tensor_parallel_size=2,
-               max_steps=1)
-    assert out["engine_processes"] == 2 and len(out["history"]) == 1
-
-
-@needs_vllm
-@pytest.mark.slow
-def test_an_engine_that_cannot_start_is_one_line_on_every_rank(toy):
-    """An engine of its own of two processes whose start fails inside vLLM (a KV cache larger
-    than the host's memory): every rank ends before any step with one line naming the engine
-    and vLLM's reason; no process of the job is left."""
-
-    job = _job(toy, "no_start", vllm_num_engines=1, vllm_tensor_parallel_size=2,
-               vllm_cpu_kv_cache_gb=100_000, vllm_timeout=120, timeout=300)
-    output = job.stdout + job.stderr
-    line = ("vLLM engine 0 (2 processes of its own, serving ranks 0-1) failed in start: "
-            "ValueError: Available memory on node")
-    assert job.returncode != 0 and line in output, output[-3000:]
-    shown = [x for x in output.splitlines() if line in x]
-    assert len(shown) == 2 and "Traceback" not in "\n".join(shown)  # each rank's one line
-    assert not (toy / "no_start" / "logs" / "metrics.jsonl").read_text()  # no step ran
-    _nothing_left(toy, "no_start")
-
-
 def _nothing_left(root, name: str) -> None:
-    """No process of the job ``name`` is left: its ranks, or an engine process of theirs."""
+    """No process of the job ``name`` is left."""
     import subprocess
 
-    for pattern in (f"vllm_grpo.py {root / name}", "strategy.rollout.vllm_server import main"):
-        left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-        assert not left.strip(), (pattern, left)
+    pattern = f"vllm_grpo.py {root / name}"
+    left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    assert not left.strip(), (pattern, left)
 
 
 @needs_vllm
@@ -261,15 +206,13 @@ def test_distillation_samples_on_vllm_as_on_hf(toy):
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("engines", ["tp2", "process"])
-def test_async_rollouts_train_one_update_behind_and_resume_exactly(toy, engines):
+def test_async_rollouts_train_one_update_behind_and_resume_exactly(toy):
     """``--async_rollouts 1``: each rollout after the first was generated while the step before
     trained (``staleness`` 1), so the engine's log-probs are one update behind the trainer's;
     a checkpoint taken with the next rollout in flight resumes bit-identically (that rollout is
-    saved with it). One engine spans both ranks (``tp2``: its requests are gathered on the main
-    thread, its tensor-parallel collectives run on the generating thread beside the step's), or
-    one engine in a process of its own serves both (``process``: it generates while the ranks
-    train).
+    saved with it). One engine spans both ranks: its requests are gathered on the main thread,
+    its tensor-parallel collectives run on the generating thread beside the step's. (An engine
+    apart, a Ray actor generating while the ranks train: tests/test_ray.py.)
 
     The engine one update behind is the stale engine that ``--is_correction tis`` corrects: each
     step's loss equals the loss computed here by hand from every rank's micro-batches (the
@@ -279,11 +222,9 @@ def test_async_rollouts_train_one_update_behind_and_resume_exactly(toy, engines)
 
     keys = ("loss", "reward", "staleness", "engine_logprob_diff", "grad_norm",
             "completion_length", "is_weight", "is_outside")
-    name = f"async_{engines}"
+    name = "async_tp2"
     flags = dict(async_rollouts=1, save_steps=2, is_correction="tis",
-                 is_correction_threshold=IS_INTERVAL,
-                 **({"vllm_tensor_parallel_size": 2} if engines == "tp2"
-                    else {"vllm_num_engines": 1}))
+                 is_correction_threshold=IS_INTERVAL, vllm_tensor_parallel_size=2)
     full = _run(toy, name, **flags)
     history = full["history"]
     assert [row["staleness"] for row in history] == [0.0, 1.0, 1.0, 1.0]
@@ -377,8 +318,8 @@ def test_is_correction_equals_openrlhf_policy_loss(kind):
     ({"rollout_engine": "hf", "async_rollouts": 1}, "async_rollouts=1 is invalid: the hf engine "
      "generates with the training ranks' own module"),
     ({"async_rollouts": 2}, "async_rollouts=2 is invalid: one rollout ahead at most here"),
-    ({"vllm_num_engines": 3}, "vllm_num_engines=3 is invalid: each engine serves whole ranks, "
-     "and the 2 ranks must split among 3 engines; use a divisor of 2"),
+    ({"vllm_num_engines": 1}, "vllm_num_engines=1 is invalid without Ray: engines apart from "
+     "training are Ray actors; add --ray"),
     ({"rollout_engine": "hf", "vllm_num_engines": 1}, "vllm_num_engines=1 is invalid: it "
      "applies to --rollout_engine vllm"),
     ({"vllm_num_engines": -1}, "vllm_num_engines=-1 is invalid: use 0 (an engine in every "

@@ -204,17 +204,22 @@ class Job:
         return results[0]
 
     def first_failure(self, refs: dict) -> str:
-        """The lowest failing rank's line (every rank raises the first error alike; those
-        still running are given a moment to)."""
+        """The line of a rank whose actor died (the cause: its peers then fail in a collective
+        with it), else of the lowest failing rank (every rank raises the first error alike);
+        those still running are given a moment to end."""
         self.ray.wait(list(refs), num_returns=len(refs), timeout=5)
+        failed = []
         for ref, rank in sorted(refs.items(), key=lambda item: item[1]):
             try:
                 self.ray.get(ref, timeout=0)
             except self.ray.exceptions.GetTimeoutError:
                 continue
             except self.ray.exceptions.RayError as exc:
-                return self.failure(rank, exc)
-        raise AssertionError("no rank failed")  # not reached: one did
+                failed.append((not isinstance(exc, self.ray.exceptions.RayActorError), rank, exc))
+        if not failed:
+            raise AssertionError("no rank failed")  # not reached: one did
+        _, rank, exc = min(failed, key=lambda item: item[:2])
+        return self.failure(rank, exc)
 
     def failure(self, rank: int, exc: Any) -> str:
         """One line: the group, the rank, its node, and what happened."""

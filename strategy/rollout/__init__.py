@@ -42,9 +42,8 @@ from strategy.rollout.hf import (
 
 
 def vllm_rollout(engine, config, max_model_len: int, seed: int) -> RolloutEngine:
-    """The vLLM engine layer ``config`` asks for: an engine in every rank (colocated), the Ray
-    job's engine actors (a rank of ``strategy.cluster``'s driver, ``--vllm_num_engines N``), or
-    engine processes of the first ranks' own (``--vllm_num_engines N`` under torchrun).
+    """The vLLM engine layer ``config`` asks for: an engine in every rank (colocated), or the
+    Ray job's engine actors (``--vllm_num_engines N``, a rank of ``strategy.cluster``'s driver).
 
     Args:
         engine: the policy's training engine.
@@ -53,12 +52,9 @@ def vllm_rollout(engine, config, max_model_len: int, seed: int) -> RolloutEngine
         seed: this rank's engine's seed (an engine's ranks alike).
     """
     from strategy.rollout.vllm_engine import VllmRollout  # vLLM's layer: only once asked for
-    from strategy.rollout.vllm_ray import RayVllmRollout, engine_names  # as above
-    from strategy.rollout.vllm_remote import RemoteVllmRollout  # as above
+    from strategy.rollout.vllm_ray import RayVllmRollout  # as above
 
-    if not config.vllm_num_engines:
-        return VllmRollout(engine, config, max_model_len, seed)
-    kind = RayVllmRollout if engine_names() is not None else RemoteVllmRollout
+    kind = RayVllmRollout if config.vllm_num_engines else VllmRollout
     return kind(engine, config, max_model_len, seed)
 
 

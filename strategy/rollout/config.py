@@ -38,14 +38,14 @@ class RolloutConfig:
     vllm_tensor_parallel_size: int = doc(
         "vLLM: devices one engine spans, its weights split among them: colocated, that many "
         "consecutive ranks (1: an engine on every rank; it divides the world size); with "
-        "--vllm_num_engines, each engine's processes, a device each; it divides the model's "
-        "attention heads", 1,
+        "--vllm_num_engines, each engine actor's devices (vLLM's own executor); it divides the "
+        "model's attention heads", 1,
         trainers=ON_POLICY)
     vllm_num_engines: int = doc(
-        "vLLM: engines in processes of their own, apart from the training ranks (OpenRLHF's "
-        "engines without colocation), each serving world_size / N consecutive ranks on a device "
-        "of its own (CUDA: the GPUs after the node's training ones); 0: an engine colocated in "
-        "every rank", 0, trainers=ON_POLICY)
+        "vLLM: engines apart from the training ranks, Ray actors of a Ray job (--ray, or "
+        "python -m strategy.cli.train_ppo_ray: OpenRLHF's engines without colocation), each "
+        "serving world_size / N consecutive ranks on devices of its own; 0: an engine colocated "
+        "in every rank", 0, trainers=ON_POLICY)
     vllm_timeout: float = doc(
         "vLLM: seconds one engine call (a sync, a rollout's generation) may take before the rank "
         "stops with one line saying so", 1800.0, trainers=ON_POLICY)
@@ -81,7 +81,7 @@ class RolloutConfig:
                  "use a positive number of ranks, e.g. 1")
         if self.vllm_num_engines < 0:
             fail("vllm_num_engines", self.vllm_num_engines,
-                 "use 0 (an engine in every rank) or a number of engine processes")
+                 "use 0 (an engine in every rank) or a number of engines (a Ray job)")
         if self.is_correction is not None and self.is_correction not in IS_CORRECTIONS:
             fail("is_correction", self.is_correction,
                  f"use one of {', '.join(IS_CORRECTIONS)}, or leave it unset")

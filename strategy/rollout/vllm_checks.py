@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from strategy.dist import get_local_world_size
 from strategy.errors import ConfigError
 from strategy.rollout.config import ENGINES_VAR, RolloutConfig
 
@@ -25,9 +24,10 @@ def check_vllm_installed() -> None:
         raise ConfigError(f"rollout_engine='vllm' is invalid: vLLM is not installed; {INSTALL}")
 
 
-def check_vllm_settings(config: RolloutConfig, world_size: int) -> None:
+def check_vllm_settings(config: RolloutConfig, world_size: int, ray: bool = False) -> None:
     """With ``--rollout_engine vllm``: the engine settings this machine cannot run, refused in
-    one line (nothing for the ``hf`` engine)."""
+    one line (nothing for the ``hf`` engine). ``ray``: a Ray job's driver checks them (its ranks
+    know by the driver's ``ENGINES_VAR``)."""
     if not config.vllm:
         return
     check_vllm_installed()
@@ -40,13 +40,17 @@ def check_vllm_settings(config: RolloutConfig, world_size: int) -> None:
                           f"many ranks, and the {world_size} ranks must split into whole engines; "
                           f"use a divisor of {world_size}")
     if config.vllm_num_engines:
-        check_engine_processes(config, world_size)
+        check_engines_apart(config, world_size, ray or bool(os.environ.get(ENGINES_VAR)))
 
 
-def check_engine_processes(config: RolloutConfig, world_size: int) -> None:
-    """``--vllm_num_engines N``: whole ranks per engine, ``--vllm_tensor_parallel_size``
-    devices each, or one line."""
-    n, tp = config.vllm_num_engines, config.vllm_tensor_parallel_size
+def check_engines_apart(config: RolloutConfig, world_size: int, ray: bool) -> None:
+    """``--vllm_num_engines N``: Ray's engine actors (a Ray job), each serving whole ranks, or
+    one line."""
+    n = config.vllm_num_engines
+    if not ray:
+        raise ConfigError(f"vllm_num_engines={n} is invalid without Ray: engines apart from "
+                          "training are Ray actors; add --ray (or run python -m "
+                          "strategy.cli.train_ppo_ray), or use 0 (an engine in every rank)")
     if world_size % n:
         raise ConfigError(f"vllm_num_engines={n} is invalid: each engine serves whole ranks, "
                           f"and the {world_size} ranks must split among {n} engines; use a "
@@ -55,16 +59,6 @@ def check_engine_processes(config: RolloutConfig, world_size: int) -> None:
         raise ConfigError(f"vllm_enable_sleep=True is invalid with vllm_num_engines={n}: an "
                           "engine on a device of its own frees nothing for training; drop "
                           "--vllm_enable_sleep")
-    if torch.cuda.is_available() and not os.environ.get(ENGINES_VAR):  # Ray places its own
-        local = get_local_world_size()  # torchrun's LOCAL_WORLD_SIZE or deepspeed's LOCAL_SIZE
-        engines = max(local * n // world_size, 1)
-        have, need = torch.cuda.device_count(), local + engines * tp
-        if have < need:
-            raise ConfigError(f"vllm_num_engines={n} is invalid on this node: its {local} "
-                              f"training ranks and {engines} engines of {tp} GPUs "
-                              f"(--vllm_tensor_parallel_size) need {need} GPUs, it has {have}; "
-                              "use fewer engines, ranks or engine GPUs, or --vllm_num_engines 0 "
-                              "(an engine in every rank)")
 
 
 def check_engine_split(config: Any, tp: int) -> None:

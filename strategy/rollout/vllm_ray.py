@@ -51,10 +51,11 @@ from strategy.rollout.vllm_engine import (
     untied_config,
     with_completions,
 )
-from strategy.rollout.vllm_server import generation_settings
 from strategy.rollout.weight_stream import send_weights, weight_group
 
 EXTENSION = "strategy.rollout.vllm_worker.WeightSyncExtension"
+GENERATION_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
+                   "eos_token_id", "pad_token_id")
 SYNC_LOOK_S = 0.02  # was 0.2: bench_ray measured it as most of Ray's sync time
 
 
@@ -69,6 +70,11 @@ def engine_env(tp: int) -> dict[str, str]:
         cores = os.cpu_count() or 1
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(tp))
     return env
+
+
+def generation_settings(generation_config: GenerationConfig) -> dict[str, Any]:
+    """What an engine actor needs of a ``GenerationConfig``, as plain values."""
+    return {key: getattr(generation_config, key, None) for key in GENERATION_KEYS}
 
 
 class VllmEngine:

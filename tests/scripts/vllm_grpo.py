@@ -12,15 +12,12 @@ OUT.json: the history, each check's completions, the final metrics and, with
 trainer's and the engine's log-probs, the scored mask) for a loss computed by hand.
 
 ``VLLM_FAULT=raise:R`` or ``hang:R``: rank R's engine raises, or never returns, in its third
-``generate`` (the second rollout's, after the first step's checkpoint; the fault tests);
-``kill:R`` or ``kill_tp:R`` (``--vllm_num_engines``): rank R kills its engine's (last) process
-there instead;
-``die:R``: rank R is killed there itself (SIGKILL: no handler of its runs).
+``generate`` (the second rollout's, after the first step's checkpoint; the fault tests). (An
+engine apart from training, killed or stopped, and a killed rank: tests/test_ray.py.)
 """
 
 import json
 import os
-import signal
 import sys
 import time
 
@@ -29,7 +26,6 @@ from vllm.distributed import get_tensor_model_parallel_world_size
 
 from strategy.rollout import EngineRollout
 from strategy.rollout.config import RolloutConfig
-from strategy.rollout.vllm_remote import RemoteVllmRollout
 from strategy.trainers import GRPOConfig, GRPOTrainer
 from strategy.trainers.algorithms.completions import generate_completions
 from strategy.trainers.algorithms.preference import reference_model
@@ -81,23 +77,14 @@ def inject(rollouts, rank: int) -> None:
     kind, _, where = os.environ.get("VLLM_FAULT", "").partition(":")
     if not kind or int(where) != rank:
         return
-    if kind in ("kill", "kill_tp", "stop", "die"):  # the engine's process, or the rank itself
-        owner, name = rollouts, "_generate"
-    else:
-        owner, name = rollouts.llm, "generate"
+    owner, name = rollouts.llm, "generate"
     real, calls = getattr(owner, name), []
 
     def generate(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3 and kind == "raise":
             raise RuntimeError("injected engine failure")
-        if len(calls) == 3 and kind in ("kill", "kill_tp", "stop"):  # it ends, or hangs
-            os.kill(rollouts.address["pids"][-1],
-                    signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
-            time.sleep(1)
-        elif len(calls) == 3 and kind == "die":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif len(calls) == 3:
+        if len(calls) == 3:
             time.sleep(3600)
         return real(*args, **kwargs)
 
@@ -114,7 +101,6 @@ def main() -> None:
                               rollout=run.config(RolloutConfig), max_len=run.data.max_len)
         trainer.checks, trainer.loss_inputs = [], []
         inject(trainer.rollouts, run.strategy.rank)
-        remote = isinstance(trainer.rollouts, RemoteVllmRollout)
         final = trainer.fit()
         loss_inputs = [[]] * run.strategy.world_size  # every rank's, for rank 0 to write
         if trainer.rollout_config.is_correction is not None:
@@ -123,10 +109,8 @@ def main() -> None:
             with open(out_path, "w") as f:
                 json.dump({"history": trainer.history, "final": final, "checks": trainer.checks,
                            "engine": type(trainer.rollouts).__name__,
-                           "engine_ranks": trainer.rollouts.per if remote
-                           else get_tensor_model_parallel_world_size(),
-                           "engine_processes": len(trainer.rollouts.processes) if remote
-                           else 0, "loss_inputs": [x for rank in loss_inputs for x in rank]}, f)
+                           "engine_ranks": get_tensor_model_parallel_world_size(),
+                           "loss_inputs": [x for rank in loss_inputs for x in rank]}, f)
 
 
 if __name__ == "__main__":

@@ -94,9 +94,11 @@ def check_grpo(strategy_config: Any, train: Any, grpo: GRPOConfig, max_len: int,
              f"{max_len}; raise --max_len or lower --max_new_tokens")
 
 
-def check_rollout(rollout: RolloutConfig, grpo: GRPOConfig, world_size: int) -> None:
-    """The rollout engine's settings GRPO/PPO cannot run with, before any process group."""
-    check_vllm_settings(rollout, world_size)
+def check_rollout(rollout: RolloutConfig, grpo: GRPOConfig, world_size: int,
+                  ray: bool = False) -> None:
+    """The rollout engine's settings GRPO/PPO cannot run with, before any process group
+    (``ray``: a Ray job's driver checks them)."""
+    check_vllm_settings(rollout, world_size, ray)
     if rollout.async_rollouts and not rollout.vllm:
         fail("async_rollouts", rollout.async_rollouts, "the hf engine generates with the "
              "training ranks' own module, so nothing would overlap; add --rollout_engine vllm")
@@ -177,7 +179,7 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
                  "update's micro-batches padding-free")
         check_grpo(configs[StrategyConfig], configs[TrainConfig], grpo,
                    configs[DataConfig].max_len, world_size)
-        check_rollout(configs[RolloutConfig], grpo, world_size)
+        check_rollout(configs[RolloutConfig], grpo, world_size, configs[ClusterConfig].ray)
         for spec in grpo.reward_names():
             if spec not in ("model", "remote"):
                 load_reward_fn(spec)  # importable and callable, or one line now
