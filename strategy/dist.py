@@ -10,7 +10,6 @@ and exits at once (the launcher then stops the others), ``close()`` removes it.
 
 from __future__ import annotations
 
-import atexit
 import os
 import random
 import socket
@@ -177,16 +176,7 @@ def init_distributed(timeout: timedelta) -> None:
         get_accelerator().set_device(get_local_rank())
     if not is_initialized():
         deepspeed.init_distributed(dist_backend=backend_name(), timeout=timeout)
-        atexit.register(end_process_group)
     remove_shm_buffer()
-
-
-def end_process_group() -> None:
-    """At interpreter exit, the process group ended while the interpreter still runs (as PyTorch
-    asks of every script): left to the interpreter's teardown, gloo's threads now and then abort
-    a rank that had finished ("terminate called without an active exception", exit -6)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def remove_shm_buffer() -> None:
