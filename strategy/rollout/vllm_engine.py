@@ -128,12 +128,11 @@ def untied_config(model: Any) -> tuple[Any, dict[str, str]]:
     return config, out
 
 
-def save_untied_config(model: Any, directory: str | None) -> dict[str, str]:
-    """``untied_config``'s config saved as ``config.json`` in ``directory`` (None: not written);
-    its tied map returned."""
+def save_untied_config(model: Any, directory: str) -> dict[str, str]:
+    """``untied_config``'s config saved as ``config.json`` in ``directory``; its tied map
+    returned."""
     config, tied = untied_config(model)
-    if directory is not None:
-        config.save_pretrained(directory)
+    config.save_pretrained(directory)
     return tied
 
 
@@ -200,11 +199,10 @@ def ipc_sockets_kept() -> Iterator[None]:
             del os.environ["VLLM_RPC_BASE_PATH"]
 
 
-def shm_prefix(port: int | str | None = None) -> str:
+def shm_prefix() -> str:
     """How an engine names its CPU shared memory: after the port of the process group it joins
-    (``port``; None: this process's, its job's or its own engine world's), so no two live jobs
-    share a name."""
-    return f"strategy{port or os.environ.get('MASTER_PORT', os.getpid())}"
+    (this process's job's, else its own pid), so no two live jobs share a name."""
+    return f"strategy{os.environ.get('MASTER_PORT', os.getpid())}"
 
 
 def run_requests(llm: Any, prompts: list[list[int]], seeds: list[int],
