@@ -10,6 +10,7 @@ and exits at once (the launcher then stops the others), ``close()`` removes it.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import socket
@@ -177,6 +178,27 @@ def init_distributed(timeout: timedelta) -> None:
     if not is_initialized():
         deepspeed.init_distributed(dist_backend=backend_name(), timeout=timeout)
     remove_shm_buffer()
+
+
+def end_process_group() -> None:
+    """End this process's group while the interpreter still runs, as PyTorch asks of a script:
+    left to the interpreter's teardown, gloo's threads now and then abort a rank that had finished
+    ("terminate called without an active exception", exit -6). A vLLM engine still alive in this
+    process (``external_launcher``) joined the group: its own shutdown ends it."""
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return
+    vllm_state = sys.modules.get("vllm.distributed.parallel_state")
+    if vllm_state is not None and getattr(vllm_state, "_WORLD", None) is not None:
+        return
+    torch_dist.destroy_process_group()
+
+
+def run_script(main: Callable[[], Any]) -> None:
+    """A launched rank's whole life: ``main()``, what it left collected (an engine in this
+    process ends there, through vLLM's own shutdown), then the process group ended."""
+    main()
+    gc.collect()
+    end_process_group()
 
 
 def remove_shm_buffer() -> None:

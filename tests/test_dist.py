@@ -138,3 +138,39 @@ def test_failure_hook_chains_to_the_previous_hook_and_is_removed(monkeypatch):
     assert calls == [ValueError, ("exit", 1)], calls  # the previous hook ran once, then exit
     dist.remove_failure_hook()
     assert sys.excepthook is previous
+
+
+RUN_SCRIPT_PROBE = """
+import atexit, os, torch.distributed as d
+from strategy.dist import run_script
+
+def main():
+    d.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    atexit.register(lambda: print("group at exit:", d.is_initialized()))
+
+run_script(main)
+"""
+
+
+def test_a_launched_script_ends_its_process_group_before_the_interpreter_teardown():
+    """Left to the interpreter's teardown, gloo's threads now and then abort a finished rank
+    (exit -6): ``run_script``, every trainer's ``__main__``, ends the group first."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", RUN_SCRIPT_PROBE], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "group at exit: False" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_every_launched_script_runs_through_run_script():
+    """The scripts the launchers start (``-m strategy.cli.train_*``, the default job) end their
+    group as above; ``train_ppo_ray`` only drives Ray and starts no group."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "strategy"
+    scripts = [*sorted((root / "cli").glob("train_*.py")), root / "demos" / "train_default.py"]
+    plain = [p.name for p in scripts if p.name != "train_ppo_ray.py"
+             and not p.read_text().endswith('if __name__ == "__main__":\n    run_script(main)\n')]
+    assert len(scripts) == 11 and not plain, plain

@@ -9,6 +9,7 @@ of the same student on the same budget)
 """
 
 from strategy.cli.trainers import command_argv
+from strategy.dist import run_script
 from strategy.rollout.config import RolloutConfig
 from strategy.trainers import DistillationTrainer, DistillConfig
 from strategy.trainers.algorithms.distill import build_teacher
@@ -25,4 +26,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

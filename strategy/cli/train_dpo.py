@@ -6,6 +6,7 @@ deepspeed --num_gpus 2 --module strategy.cli.train_dpo --config dpo_zero3 --pret
 """
 
 from strategy.cli.trainers import command_argv
+from strategy.dist import run_script
 from strategy.trainers import DPOConfig, DPOTrainer
 from strategy.trainers.algorithms.preference import reference_model
 from strategy.trainers.run import Run
@@ -20,4 +21,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -8,6 +8,7 @@ deepspeed --num_gpus 8 --module strategy.cli.train_grpo --config grpo_toy \
 """
 
 from strategy.cli.trainers import command_argv
+from strategy.dist import run_script
 from strategy.rollout.config import RolloutConfig
 from strategy.trainers import GRPOConfig, GRPOTrainer
 from strategy.trainers.algorithms.preference import reference_model
@@ -30,4 +31,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

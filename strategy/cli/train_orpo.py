@@ -6,6 +6,7 @@ deepspeed --num_gpus 2 --module strategy.cli.train_orpo --config orpo_zero2 --pr
 """
 
 from strategy.cli.trainers import command_argv
+from strategy.dist import run_script
 from strategy.trainers import ORPOConfig, ORPOTrainer
 from strategy.trainers.run import Run
 
@@ -17,4 +18,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

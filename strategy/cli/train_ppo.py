@@ -9,6 +9,7 @@ short SFT run, then this, with before/after accuracy)
 """
 
 from strategy.cli.trainers import command_argv
+from strategy.dist import run_script
 from strategy.rollout.config import RolloutConfig
 from strategy.trainers import PPOConfig, PPOTrainer
 from strategy.trainers.algorithms.ppo import build_critic
@@ -33,4 +34,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

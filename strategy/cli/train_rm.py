@@ -7,6 +7,7 @@ deepspeed --num_gpus 2 --module strategy.cli.train_rm --config rm_zero2 --pretra
 from transformers import AutoModelForSequenceClassification
 
 from strategy.cli.trainers import command_argv
+from strategy.dist import run_script
 from strategy.trainers import RewardModelTrainer
 from strategy.trainers.run import Run
 
@@ -19,4 +20,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -7,6 +7,7 @@ torchrun --nproc_per_node 2 -m strategy.cli.train_sft --config sft_zero3 --pretr
 """
 
 from strategy.cli.trainers import command_argv
+from strategy.dist import run_script
 from strategy.trainers import SFTTrainer
 from strategy.trainers.run import Run
 
@@ -17,4 +18,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

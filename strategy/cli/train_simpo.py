@@ -5,6 +5,7 @@ deepspeed --num_gpus 2 --module strategy.cli.train_simpo --config simpo_zero3 --
 """
 
 from strategy.cli.trainers import command_argv
+from strategy.dist import run_script
 from strategy.trainers import SimPOConfig, SimPOTrainer
 from strategy.trainers.run import Run
 
@@ -16,4 +17,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -15,6 +15,7 @@ import json
 import os
 
 from strategy.demos.toy_task import generate
+from strategy.dist import run_script
 from strategy.trainers import SFTTrainer
 from strategy.trainers.run import Run
 
@@ -40,4 +41,4 @@ def write_answers(path: str, rows: list[dict], answers: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)
