@@ -142,6 +142,9 @@ def _flags(root, name: str, **extra) -> list[str]:
     return [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items() if v is not None]
 
 
+STOPPED_TIMEOUT_S = 20  # the stopped engine's case: its call's deadline and its teardown's
+
+
 def _ray_job(cluster, args: list[str], timeout: float = 400, watch=None):
     """``python -m strategy.cli.train_ppo_ray ARGS`` as a driver joining ``cluster``."""
     from tests.support.helpers import run_job
@@ -239,10 +242,13 @@ def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
 
 @needs_ray
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["engine_killed", "rank_killed", "driver_sigterm"])
+@pytest.mark.parametrize("fault", ["engine_killed", "engine_stopped", "rank_killed",
+                                   "driver_sigterm"])
 def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(cluster, toy, fault):
     """Once training runs, ``engine_killed``: the engine actor SIGKILLed, and the driver ends
-    (exit 1) with one line naming the engine and the call it died in; ``rank_killed``: the
+    (exit 1) with one line naming the engine and the call it died in; ``engine_stopped``: the
+    engine actor SIGSTOPped (alive, never answering), one line naming the engine and
+    ``--vllm_timeout`` (its shutdown at teardown waits no longer); ``rank_killed``: the
     actor group's rank 1 SIGKILLed, one line naming the group, the rank and its node;
     ``driver_sigterm``:
     SIGTERM to the driver, which tears the job down and ends (exit 143) with one line. Either
@@ -260,9 +266,11 @@ def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(clus
         while time.time() < deadline and proc.poll() is None:
             if metrics.exists() and metrics.read_text().strip():
                 where = json.loads(placement.read_text())
-                if fault != "driver_sigterm":
-                    os.kill(where["vllm_engines"][0]["pid"] if fault == "engine_killed"
-                            else where["actor"][1]["pid"], signal.SIGKILL)
+                if fault.startswith("engine"):
+                    os.kill(where["vllm_engines"][0]["pid"],
+                            signal.SIGKILL if fault == "engine_killed" else signal.SIGSTOP)
+                elif fault == "rank_killed":
+                    os.kill(where["actor"][1]["pid"], signal.SIGKILL)
                 else:
                     proc.send_signal(signal.SIGTERM)
                 break
@@ -272,13 +280,20 @@ def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(clus
 
     job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", "--vllm.num_engines", "1",
                              "--algo.advantage.estimator", "group_norm",
-                             *_flags(toy, name, vllm_num_engines=None, max_steps=6)],
+                             *_flags(toy, name, vllm_num_engines=None, max_steps=6,
+                                     vllm_timeout=STOPPED_TIMEOUT_S if fault == "engine_stopped"
+                                     else 120)],
                    watch=stop_once_training)
     lines = job.stderr.strip().splitlines()
     if fault == "engine_killed":
         assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
         assert lines[-1].startswith("error: actor group rank 0 (node "), job.stderr[-3000:]
         assert "vLLM engine 0" in lines[-1] and "died" in lines[-1], lines[-1]
+    elif fault == "engine_stopped":
+        assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
+        assert lines[-1].startswith("error: actor group rank 0 (node "), job.stderr[-3000:]
+        assert "vLLM engine 0" in lines[-1], lines[-1]
+        assert f"within --vllm_timeout={STOPPED_TIMEOUT_S} s" in lines[-1], lines[-1]
     elif fault == "rank_killed":
         assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
         assert lines[-1].startswith("error: actor group rank 1 (node "), job.stderr[-3000:]

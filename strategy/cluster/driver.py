@@ -36,7 +36,7 @@ from strategy.rollout.config import ENGINES_VAR, RolloutConfig
 from strategy.rollout.vllm_ray import VllmEngine, engine_env, remove_engine_files
 from strategy.trainers.config import TrainConfig
 
-SHUTDOWN_S = 60.0  # an engine's own shutdown, before its actor is killed anyway
+SHUTDOWN_S = 60.0  # an engine's own shutdown (at most --vllm_timeout), before its actor is killed
 POLL_S = 1.0
 
 
@@ -257,7 +257,8 @@ class Job:
             self.ray.wait(refs, num_returns=len(refs), timeout=SHUTDOWN_S)
 
     def close(self) -> None:
-        """Engines through vLLM's own shutdown (bounded), then every actor and group gone."""
+        """Engines through vLLM's own shutdown (within ``--vllm_timeout``, the deadline of every
+        engine call: a stopped or hung engine never answers), then every actor and group gone."""
         from ray.util.placement_group import (  # the optional extra
             remove_placement_group,  # the optional extra: a Ray job only
         )
@@ -265,7 +266,8 @@ class Job:
         ray = self.ray
         if self.engines:
             refs = [engine.shutdown.remote() for engine in self.engines]
-            ray.wait(refs, num_returns=len(refs), timeout=SHUTDOWN_S)
+            ray.wait(refs, num_returns=len(refs),
+                     timeout=min(SHUTDOWN_S, self.rollout.vllm_timeout))
         for handle in self.ranks + self.engines:
             try:
                 ray.kill(handle)

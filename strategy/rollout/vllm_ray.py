@@ -57,6 +57,7 @@ EXTENSION = "strategy.rollout.vllm_worker.WeightSyncExtension"
 GENERATION_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
                    "eos_token_id", "pad_token_id")
 SYNC_LOOK_S = 0.02  # was 0.2: bench_ray measured it as most of Ray's sync time
+WATCHDOG_GRACE_S = 30.0  # past its Ray waits' own deadlines, before a rank ends itself
 
 
 def engine_env(tp: int) -> dict[str, str]:
@@ -194,6 +195,15 @@ class RayVllmRollout(VllmRollout):
         return (f"vLLM engine {rank // self.per} (Ray actor {self.names[rank // self.per]}, "
                 f"serving ranks {first}-{first + self.per - 1})")
 
+    def _call(self, name: str, fn: Any) -> Any:
+        """As the in-rank engine's, but every wait here has a deadline of its own that raises (an
+        engine call is a Ray reference): the watchdog, which ends the rank's process, fires only
+        past them (twice ``--vllm_timeout``: a sync's stream, then a look at its answer), so a
+        stopped engine is a line of its own, not a dead rank."""
+        seconds = 2 * self.config.vllm_timeout + WATCHDOG_GRACE_S
+        with deadline(seconds, f"the {self.describe(self.rank)} ({name})"):
+            return checked(fn, make=engine_failure(self.describe, name))
+
     def _get(self, refs: list, call: str) -> list:
         """The engines' answers, within ``--vllm_timeout``; a dead engine, an error in one or a
         wait past the deadline as one line naming the engine and its node."""
@@ -246,8 +256,14 @@ class RayVllmRollout(VllmRollout):
         if self.rank == 0:
             try:
                 send_weights(self._group, stream)
-            except Exception:  # an engine gone mid-stream: that, not the broken pipe
-                self._get(refs, "sync")
+            except Exception:  # an engine gone mid-stream: that, not the broken pipe; one
+                # that never took it (stopped, hung) already had --vllm_timeout to do so
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
+                self._get(done, "sync")
+                late = [refs.index(ref) for ref in refs if ref not in done]
+                if late:
+                    raise TimeoutError(f"engine {late[0]} did not answer sync within "
+                                       f"--vllm_timeout={self.config.vllm_timeout:g} s") from None
                 raise
         else:
             for _ in stream:
