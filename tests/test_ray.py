@@ -343,3 +343,57 @@ def test_ray_missing_is_one_line_naming_the_extra(toy):
     assert job.stderr.strip().splitlines()[-1] == (
         "error: ray=True is invalid: Ray is not installed; pip install '.[ray]' (or launch "
         "with torchrun: strategy <trainer> --nproc N)")
+
+
+@needs_ray
+@pytest.mark.slow
+def test_an_engine_of_two_workers_on_the_other_node_takes_each_sync_and_a_dead_worker_is_one_line(
+        cluster, toy):
+    """``--vllm.tensor_parallel_size 2``: one engine actor on the node the actor group is not on,
+    holding both of that node's devices, vLLM's ``mp`` executor inside it (a worker process per
+    device). Each sync reaches both workers (the engine's log-probs of the sampled tokens equal
+    the trainer's to 1e-4 after every step: a worker that kept its old or placeholder weights
+    would be far off). Then one worker process is SIGKILLed: the job ends (exit 1) with one line
+    naming the engine; every actor is gone and the session check finds nothing left."""
+    from strategy.rollout.vllm_ray import descendants
+
+    name = "ray_tp2"
+    metrics = toy / name / "logs" / "metrics.jsonl"
+    killed: list[int] = []
+
+    def kill_a_worker_once_trained(cmd, env):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            if metrics.exists() and len(_history(toy, name)) >= 2:
+                where = json.loads((toy / name / "logs" / "placement.json").read_text())
+                engine = where["vllm_engines"][0]["pid"]
+                workers = [p for p in descendants(engine)  # vLLM names them VLLM::Worker_TP<i>
+                           if "Worker_TP" in open(f"/proc/{p}/comm").read()]
+                killed.append(workers[-1] if workers else -1)
+                if workers:
+                    os.kill(workers[-1], signal.SIGKILL)
+                break
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=300)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", "--vllm.num_engines", "1",
+                             "--vllm.tensor_parallel_size", "2",
+                             "--algo.advantage.estimator", "group_norm",
+                             *_flags(toy, name, vllm_num_engines=None, max_steps=6)],
+                   watch=kill_a_worker_once_trained)
+    where = json.loads((toy / name / "logs" / "placement.json").read_text())
+    engine = where["vllm_engines"][0]
+    assert engine["node_id"] not in {rank["node_id"] for rank in where["actor"]}
+    assert len(engine["devices"]) == 2, engine
+    rows = _history(toy, name)
+    assert len(rows) >= 2 and all(r["train/engine_logprob_diff_max"] < 1e-4 for r in rows), (
+        rows, job.stderr[-3000:])
+    assert killed and killed[0] > 0, killed
+    lines = job.stderr.strip().splitlines()
+    assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
+    assert lines[-1].startswith("error: actor group rank 0 (node "), job.stderr[-3000:]
+    assert "vLLM engine 0" in lines[-1], lines[-1]
+    assert _all_free(cluster), "the job's actors or placement groups still hold resources"

@@ -172,10 +172,15 @@ def start_llm(directory: str, dtype: torch.dtype, config: RolloutConfig, max_mod
     return llm
 
 
+SOCKET_PATH_MAX = 107  # a Unix socket's path: sizeof(sockaddr_un.sun_path) - 1 on Linux
+SOCKET_NAME = 37  # vLLM's socket files: "/" and a uuid4
+
+
 @contextmanager
-def scratch_dir() -> Iterator[str]:
-    """A folder of this process's own, removed when the block ends, however it ends."""
-    path = tempfile.mkdtemp(prefix="strategy-vllm-")
+def scratch_dir(parent: str | None = None) -> Iterator[str]:
+    """A folder of this process's own (in ``parent``, else the temp folder), removed when the
+    block ends, however it ends."""
+    path = tempfile.mkdtemp(prefix="strategy-vllm-", dir=parent)
     try:
         yield path
     finally:
@@ -187,11 +192,15 @@ def ipc_sockets_kept() -> Iterator[None]:
     """vLLM's local sockets (``VLLM_RPC_BASE_PATH``: the temp folder, named at random, never
     unlinked by a process that is killed or ends with ``os._exit``) made in a folder of their own
     while the engine starts, then removed: every process of the engine has connected by then,
-    and connections outlive the files. A user's own ``VLLM_RPC_BASE_PATH`` is left alone."""
+    and connections outlive the files. A user's own ``VLLM_RPC_BASE_PATH`` is left alone. Where
+    the temp folder's path is too long for a socket's (an engine actor's, in Ray's and ours),
+    the folder is made in /tmp."""
     if os.environ.get("VLLM_RPC_BASE_PATH"):
         yield
         return
-    with scratch_dir() as path:
+    base = tempfile.gettempdir()
+    fits = len(os.path.join(base, "strategy-vllm-12345678")) + SOCKET_NAME <= SOCKET_PATH_MAX
+    with scratch_dir(base if fits else "/tmp") as path:
         os.environ["VLLM_RPC_BASE_PATH"] = path
         try:
             yield

@@ -57,6 +57,9 @@ EXTENSION = "strategy.rollout.vllm_worker.WeightSyncExtension"
 GENERATION_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
                    "eos_token_id", "pad_token_id")
 SYNC_LOOK_S = 0.02  # was 0.2: bench_ray measured it as most of Ray's sync time
+SHM_RECORD = "shm-files.json"  # in an engine actor's temp folder: its processes' /dev/shm files
+SHM_DIR = "/dev/shm"
+STREAM_ANSWER_S = 10.0  # a broken stream: how long its engines get to say why (a dead worker)
 WATCHDOG_GRACE_S = 30.0  # past its Ray waits' own deadlines, before a rank ends itself
 
 
@@ -110,6 +113,8 @@ class VllmEngine:
                 f.write(config_json)
             self.llm = start_llm(directory, getattr(torch, dtype), config, max_model_len, seed,
                                  executor="uni" if self.tp == 1 else "mp", extension=EXTENSION)
+        with open(os.path.join(self.scratch, SHM_RECORD), "w") as f:
+            json.dump(shm_mapped_by(descendants(os.getpid())), f)
 
     def _checked(self, fn: Any, *args: Any) -> Any:
         if self.broken is not None:
@@ -139,17 +144,64 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         """End the engine through vLLM's own shutdown (its processes and shared memory), then
-        its temp folder."""
+        what it left (``remove_engine_files``)."""
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        remove_engine_files(self.scratch)  # what a shutdown after a dead worker leaves
 
 
 def remove_engine_files(scratch: str) -> None:
-    """What an engine actor killed on this node left: its temp folder (a Ray task the driver
-    runs there after the actor is gone)."""
+    """What an engine actor killed on this node left (a Ray task the driver runs there after the
+    actor is gone): the /dev/shm files its engine's processes had mapped (vLLM unlinks them only
+    at its own shutdown: a killed worker leaves them), then its temp folder."""
+    try:
+        with open(os.path.join(scratch, SHM_RECORD)) as f:
+            names = json.load(f)
+    except (OSError, ValueError):  # never started, or already removed
+        names = []
+    for name in names:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:  # its own shutdown got there first
+            pass
     shutil.rmtree(scratch, ignore_errors=True)
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s child processes, theirs, and so on (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def shm_mapped_by(pids: list[int]) -> list[str]:
+    """The /dev/shm files of vLLM's kinds (its message queues' ``psm_*``, its CPU groups'
+    ``*cpushm*``, multiprocessing's ``sem.mp-*``) that the processes ``pids`` have mapped."""
+    names: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                paths = [line.split(maxsplit=5)[-1].strip() for line in f if SHM_DIR in line]
+        except OSError:  # gone meanwhile
+            continue
+        for path in paths:
+            name = os.path.basename(path.removesuffix(" (deleted)"))
+            if path.startswith(SHM_DIR + "/") and not path.endswith(" (deleted)") and (
+                    name.startswith(("psm_", "sem.mp-")) or "cpushm" in name):
+                names.add(name)
+    return sorted(names)
 
 
 def engine_names() -> dict | None:
@@ -258,11 +310,11 @@ class RayVllmRollout(VllmRollout):
                 send_weights(self._group, stream)
             except Exception:  # an engine gone mid-stream: that, not the broken pipe; one
                 # that never took it (stopped, hung) already had --vllm_timeout to do so
-                done, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=STREAM_ANSWER_S)
                 self._get(done, "sync")
                 late = [refs.index(ref) for ref in refs if ref not in done]
                 if late:
-                    raise TimeoutError(f"engine {late[0]} did not answer sync within "
+                    raise TimeoutError(f"engine {late[0]} did not take the weight stream within "
                                        f"--vllm_timeout={self.config.vllm_timeout:g} s") from None
                 raise
         else:
