@@ -307,6 +307,26 @@ def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(clus
 
 
 @needs_ray
+@pytest.mark.slow
+def test_an_engine_that_cannot_start_is_one_line_and_leaves_nothing(cluster, toy):
+    """An engine actor whose KV cache does not fit its node (``--vllm_cpu_kv_cache_gb 100000``)
+    fails its start: one line naming the engine and our flag (not vLLM's environment variable),
+    exit 1, before any training step; every actor gone."""
+    job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", "--vllm.num_engines", "1",
+                             "--algo.advantage.estimator", "group_norm",
+                             *_flags(toy, "no_start", vllm_num_engines=None,
+                                     vllm_cpu_kv_cache_gb=100000)], timeout=300)
+    assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
+    line = job.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: actor group rank 0 (node "), job.stderr[-3000:]
+    assert "vLLM engine 0" in line and "failed in start" in line, line
+    assert "vllm_cpu_kv_cache_gb=100000 is invalid: this engine's node has " in line, line
+    assert line.endswith("GiB free; lower --vllm_cpu_kv_cache_gb (the default is 1)"), line
+    assert _history(toy, "no_start") == []  # no step trained
+    assert _all_free(cluster), "the job's actors or placement groups still hold resources"
+
+
+@needs_ray
 def test_a_placement_the_cluster_cannot_hold_is_one_line_before_any_model(cluster, toy):
     """Eight actor ranks on a cluster of 4 logical GPUs: one line saying what was asked, what
     the cluster has and which flags to change, exit 2, no placement group left."""

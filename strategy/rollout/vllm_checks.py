@@ -24,6 +24,18 @@ def check_vllm_installed() -> None:
         raise ConfigError(f"rollout_engine='vllm' is invalid: vLLM is not installed; {INSTALL}")
 
 
+def check_cpu_kv_cache(gb: int) -> None:
+    """On CPU, an engine's KV cache (``--vllm_cpu_kv_cache_gb``, allocated whole at its start)
+    within the memory its node has free, refused in our flag's words before vLLM loads (vLLM's
+    own error names its environment variable, and comes after the model is built)."""
+    import psutil  # vLLM's own dependency: this runs only as an engine starts
+
+    free = psutil.virtual_memory().available / 2**30
+    if gb > free:
+        raise ConfigError(f"vllm_cpu_kv_cache_gb={gb} is invalid: this engine's node has "
+                          f"{free:.1f} GiB free; lower --vllm_cpu_kv_cache_gb (the default is 1)")
+
+
 def check_vllm_settings(config: RolloutConfig, world_size: int, ray: bool = False) -> None:
     """With ``--rollout_engine vllm``: the engine settings this machine cannot run, refused in
     one line (nothing for the ``hf`` engine). ``ray``: a Ray job's driver checks them (its ranks

@@ -54,7 +54,11 @@ from strategy.export.units import plan_export
 from strategy.internals import cpu_shm_names, unlink_cpu_shm
 from strategy.model import base_model, is_peft_model
 from strategy.rollout.config import RolloutConfig
-from strategy.rollout.vllm_checks import check_engine_split, check_head_size
+from strategy.rollout.vllm_checks import (
+    check_cpu_kv_cache,
+    check_engine_split,
+    check_head_size,
+)
 
 
 @contextmanager
@@ -153,6 +157,8 @@ def start_llm(directory: str, dtype: torch.dtype, config: RolloutConfig, max_mod
     ``mp``: an engine in a process, or processes, of its own); ``extension``: the worker
     extension class its workers get, by module path."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per sync
+    if not torch.cuda.is_available() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        check_cpu_kv_cache(config.vllm_cpu_kv_cache_gb)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.vllm_cpu_kv_cache_gb))
     from vllm import LLM  # the optional extra: imported only when asked for
 
