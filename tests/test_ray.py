@@ -6,6 +6,7 @@ Ray missing; and the weight stream's wire (header and tensor order) without vLLM
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import os
@@ -101,23 +102,49 @@ def test_the_weight_stream_carries_names_dtypes_and_shapes_in_order_and_drains()
 @pytest.fixture(scope="module")
 def cluster():
     """Two simulated nodes, 4 CPUs and 2 logical GPUs each, Ray's session files in a folder of
-    the test's own (removed after)."""
+    the test's own (removed after); the head runs the dashboard (``ray job submit``'s
+    address: ``cluster.dashboard``)."""
     pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
+
+    from strategy.dist import free_port
 
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths
     address_dir = os.path.join(tempfile.gettempdir(), "ray")  # Ray notes the address there
     os.makedirs(address_dir, exist_ok=True)
+    mp_dirs = os.path.join(tempfile.gettempdir(), "pymp-*")
+    before, dashboards = set(glob.glob(mp_dirs)), set()
     nodes = Cluster()
     try:
-        nodes.add_node(num_cpus=4, num_gpus=2, temp_dir=temp, include_dashboard=False)
+        nodes.add_node(num_cpus=4, num_gpus=2, temp_dir=temp, include_dashboard=True,
+                       dashboard_host="127.0.0.1", dashboard_port=free_port())
         nodes.add_node(num_cpus=4, num_gpus=2)
         nodes.wait_for_nodes()
+        nodes.dashboard = f"http://{nodes.head_node.address_info['webui_url']}"
+        _wait_for(nodes.dashboard + "/api/version", seconds=60)
+        # the dashboard's multiprocessing folders, made as it starts: its processes are killed
+        # at the cluster's shutdown, which leaves them (a later one is the session check's)
+        dashboards = set(glob.glob(mp_dirs)) - before
         yield nodes
     finally:
         nodes.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
-        shutil.rmtree(address_dir, ignore_errors=True)
+        for path in [temp, address_dir, *dashboards]:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _wait_for(url: str, seconds: float) -> None:
+    """``url`` answers (within ``seconds``)."""
+    import urllib.request
+
+    deadline = time.time() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -145,12 +172,18 @@ def _flags(root, name: str, **extra) -> list[str]:
 STOPPED_TIMEOUT_S = 20  # the stopped engine's case: its call's deadline and its teardown's
 
 
-def _ray_job(cluster, args: list[str], timeout: float = 400, watch=None):
-    """``python -m strategy.cli.train_ppo_ray ARGS`` as a driver joining ``cluster``."""
+def _ray_job(cluster, args: list[str], timeout: float = 400, watch=None, submit=False):
+    """``python -m strategy.cli.train_ppo_ray ARGS`` as a driver joining ``cluster``, or
+    (``submit``) given to its dashboard with ``ray job submit``, the driver then a process of
+    the head node's."""
     from tests.support.helpers import run_job
 
     env = {**os.environ, "RAY_ADDRESS": cluster.address, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "strategy.cli.train_ppo_ray", *args]
+    if submit:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit",
+               "--address", cluster.dashboard, "--", *cmd]
+        env.pop("RAY_ADDRESS")
     if watch is None:
         return run_job(cmd, timeout=timeout, env=env)
     return watch(cmd, env)
@@ -187,6 +220,7 @@ def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
     log-probs agree with the trainer's after every sync (the weights arrived). ``two_nodes``:
     the actor group's 2 ranks on one node, the vLLM engine actor on the other (placement.json
     says where).
+    Submitted with ``ray job submit`` to the cluster's dashboard.
     ``colocated_async``: the engine in rank 0's bundle (``--train.colocate_all``), each rollout
     generated in the engine's actor while the step before trains (``--train.async_enable``),
     against torchrun's ``--async_rollouts 1``."""
@@ -201,7 +235,8 @@ def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
     job = _ray_job(cluster, ["--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2",
                              "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
                              "--algo.advantage.estimator", "group_norm", *placement,
-                             *_flags(toy, name, vllm_num_engines=None)])
+                             *_flags(toy, name, vllm_num_engines=None)],
+                   submit=case == "two_nodes")
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
     where = json.loads((toy / name / "logs" / "placement.json").read_text())
     actor_nodes = {rank["node_id"] for rank in where["actor"]}
