@@ -113,8 +113,21 @@ class VllmEngine:
                 f.write(config_json)
             self.llm = start_llm(directory, getattr(torch, dtype), config, max_model_len, seed,
                                  executor="uni" if self.tp == 1 else "mp", extension=EXTENSION)
-        with open(os.path.join(self.scratch, SHM_RECORD), "w") as f:
-            json.dump(shm_mapped_by(descendants(os.getpid())), f)
+        self._record_shm()
+
+    def _record_shm(self) -> None:
+        """Note the /dev/shm files the engine's processes (this actor's and its children's)
+        have mapped so far, for ``remove_engine_files``: at its start, after each sync and as
+        it shuts down (a process of the engine makes some only later, e.g. once a worker died)."""
+        path = os.path.join(self.scratch, SHM_RECORD)
+        try:
+            with open(path) as f:
+                names = set(json.load(f))
+        except (OSError, ValueError):  # the first record
+            names = set()
+        with open(path, "w") as f:
+            pids = [os.getpid(), *descendants(os.getpid())]
+            json.dump(sorted(names | set(shm_mapped_by(pids))), f)
 
     def _checked(self, fn: Any, *args: Any) -> Any:
         if self.broken is not None:
@@ -135,6 +148,7 @@ class VllmEngine:
         """One sync's stream, into every worker; the prefix cache then reset."""
         self._checked(self.llm.collective_rpc, "strategy_receive")
         self.llm.reset_prefix_cache()
+        self._record_shm()
 
     def generate(self, prompts: list[list[int]], seeds: list[int],
                  settings: dict) -> tuple[list[list[int]], list[list[float]]]:
@@ -146,6 +160,7 @@ class VllmEngine:
         """End the engine through vLLM's own shutdown (its processes and shared memory), then
         what it left (``remove_engine_files``)."""
         if self.llm is not None:
+            self._record_shm()
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
         remove_engine_files(self.scratch)  # what a shutdown after a dead worker leaves
