@@ -185,12 +185,10 @@ def end_process_group() -> None:
     left to the interpreter's teardown, gloo's threads now and then abort a rank that had finished
     ("terminate called without an active exception", exit -6). A vLLM engine still alive in this
     process (``external_launcher``) joined the group: its own shutdown ends it."""
-    if not (torch_dist.is_available() and torch_dist.is_initialized()):
-        return
-    vllm_state = sys.modules.get("vllm.distributed.parallel_state")
-    if vllm_state is not None and getattr(vllm_state, "_WORLD", None) is not None:
-        return
-    torch_dist.destroy_process_group()
+    from strategy.internals.vllm import engine_holds_world
+
+    if torch_dist.is_available() and torch_dist.is_initialized() and not engine_holds_world():
+        torch_dist.destroy_process_group()
 
 
 def run_script(main: Callable[[], Any]) -> None:

@@ -210,6 +210,27 @@ def _history(root, name: str) -> list[dict]:
     return [row for row in rows if "train/loss" in row]
 
 
+def _act_once_trained(root, name: str, steps: int, act):
+    """A ``watch`` for ``_ray_job``: the job started in a session of its own, ``act(proc)`` once
+    its metrics hold ``steps`` training steps (within 300 s), then its end awaited."""
+    def watch(cmd, env):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        metrics, deadline = root / name / "logs" / "metrics.jsonl", time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                trained = metrics.exists() and len(_history(root, name)) >= steps
+            except ValueError:  # a line half written
+                trained = False
+            if trained:
+                act(proc)
+                break
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=300)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return watch
+
+
 @needs_ray
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["two_nodes", "colocated_async"])
@@ -292,33 +313,22 @@ def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(clus
     its node)."""
     name = f"stopped_{fault}"
 
-    def stop_once_training(cmd, env):
-        placement = toy / name / "logs" / "placement.json"
-        metrics = toy / name / "logs" / "metrics.jsonl"
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:
-            if metrics.exists() and metrics.read_text().strip():
-                where = json.loads(placement.read_text())
-                if fault.startswith("engine"):
-                    os.kill(where["vllm_engines"][0]["pid"],
-                            signal.SIGKILL if fault == "engine_killed" else signal.SIGSTOP)
-                elif fault == "rank_killed":
-                    os.kill(where["actor"][1]["pid"], signal.SIGKILL)
-                else:
-                    proc.send_signal(signal.SIGTERM)
-                break
-            time.sleep(0.2)
-        out, err = proc.communicate(timeout=300)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    def stop(proc):
+        where = json.loads((toy / name / "logs" / "placement.json").read_text())
+        if fault.startswith("engine"):
+            os.kill(where["vllm_engines"][0]["pid"],
+                    signal.SIGKILL if fault == "engine_killed" else signal.SIGSTOP)
+        elif fault == "rank_killed":
+            os.kill(where["actor"][1]["pid"], signal.SIGKILL)
+        else:
+            proc.send_signal(signal.SIGTERM)
 
     job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", "--vllm.num_engines", "1",
                              "--algo.advantage.estimator", "group_norm",
                              *_flags(toy, name, vllm_num_engines=None, max_steps=6,
                                      vllm_timeout=STOPPED_TIMEOUT_S if fault == "engine_stopped"
                                      else 120)],
-                   watch=stop_once_training)
+                   watch=_act_once_trained(toy, name, 1, stop))
     lines = job.stderr.strip().splitlines()
     if fault == "engine_killed":
         assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
@@ -413,32 +423,22 @@ def test_an_engine_of_two_workers_on_the_other_node_takes_each_sync_and_a_dead_w
     from strategy.rollout.vllm_ray import descendants
 
     name = "ray_tp2"
-    metrics = toy / name / "logs" / "metrics.jsonl"
     killed: list[int] = []
 
-    def kill_a_worker_once_trained(cmd, env):
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:
-            if metrics.exists() and len(_history(toy, name)) >= 2:
-                where = json.loads((toy / name / "logs" / "placement.json").read_text())
-                engine = where["vllm_engines"][0]["pid"]
-                workers = [p for p in descendants(engine)  # vLLM names them VLLM::Worker_TP<i>
-                           if "Worker_TP" in open(f"/proc/{p}/comm").read()]
-                killed.append(workers[-1] if workers else -1)
-                if workers:
-                    os.kill(workers[-1], signal.SIGKILL)
-                break
-            time.sleep(0.2)
-        out, err = proc.communicate(timeout=300)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    def kill_a_worker(proc):
+        where = json.loads((toy / name / "logs" / "placement.json").read_text())
+        engine = where["vllm_engines"][0]["pid"]
+        workers = [p for p in descendants(engine)  # vLLM names them VLLM::Worker_TP<i>
+                   if "Worker_TP" in open(f"/proc/{p}/comm").read()]
+        killed.append(workers[-1] if workers else -1)
+        if workers:
+            os.kill(workers[-1], signal.SIGKILL)
 
     job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", "--vllm.num_engines", "1",
                              "--vllm.tensor_parallel_size", "2",
                              "--algo.advantage.estimator", "group_norm",
                              *_flags(toy, name, vllm_num_engines=None, max_steps=6)],
-                   watch=kill_a_worker_once_trained)
+                   watch=_act_once_trained(toy, name, 2, kill_a_worker))
     where = json.loads((toy / name / "logs" / "placement.json").read_text())
     engine = where["vllm_engines"][0]
     assert engine["node_id"] not in {rank["node_id"] for rank in where["actor"]}

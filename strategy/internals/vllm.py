@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 from contextlib import contextmanager
 from typing import Iterator
 
 SHM_DIR = "/dev/shm"
+
+
+def engine_holds_world() -> bool:
+    """A vLLM engine alive in this process (``external_launcher``) joined its process group:
+    vLLM's ``parallel_state._WORLD`` is set until the engine's own shutdown ends the group."""
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    return state is not None and getattr(state, "_WORLD", None) is not None
 
 
 @contextmanager

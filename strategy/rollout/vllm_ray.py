@@ -34,6 +34,7 @@ import torch
 from transformers import GenerationConfig
 
 from strategy.dist import checked, first_line, free_port
+from strategy.internals.vllm import SHM_DIR
 from strategy.model import base_model
 from strategy.rollout.config import ENGINES_VAR, RolloutConfig
 from strategy.rollout.vllm_checks import check_engine_split, check_head_size
@@ -58,7 +59,6 @@ GENERATION_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k
                    "eos_token_id", "pad_token_id")
 SYNC_LOOK_S = 0.02  # was 0.2: bench_ray measured it as most of Ray's sync time
 SHM_RECORD = "shm-files.json"  # in an engine actor's temp folder: its processes' /dev/shm files
-SHM_DIR = "/dev/shm"
 STREAM_ANSWER_S = 10.0  # a broken stream: how long its engines get to say why (a dead worker)
 WATCHDOG_GRACE_S = 30.0  # past its Ray waits' own deadlines, before a rank ends itself
 
@@ -88,6 +88,7 @@ class VllmEngine:
         self.index, self.tp = index, tp
         self.llm: Any = None
         self.broken: str | None = None
+        self.shm_files: set[str] = set()  # what ``_record_shm`` noted so far
         # the engine's temp files (vLLM's file store, vllm_dist_*) in a folder of its own, which
         # the driver removes on this node when the actor was killed (``remove_engine_files``)
         self.scratch = tempfile.mkdtemp(prefix="strategy-vllm-engine-")
@@ -119,15 +120,11 @@ class VllmEngine:
         """Note the /dev/shm files the engine's processes (this actor's and its children's)
         have mapped so far, for ``remove_engine_files``: at its start, after each sync and as
         it shuts down (a process of the engine makes some only later, e.g. once a worker died)."""
-        path = os.path.join(self.scratch, SHM_RECORD)
-        try:
-            with open(path) as f:
-                names = set(json.load(f))
-        except (OSError, ValueError):  # the first record
-            names = set()
-        with open(path, "w") as f:
-            pids = [os.getpid(), *descendants(os.getpid())]
-            json.dump(sorted(names | set(shm_mapped_by(pids))), f)
+        seen = self.shm_files | set(shm_mapped_by([os.getpid(), *descendants(os.getpid())]))
+        if seen != self.shm_files:  # written only when it grew
+            self.shm_files = seen
+            with open(os.path.join(self.scratch, SHM_RECORD), "w") as f:
+                json.dump(sorted(seen), f)
 
     def _checked(self, fn: Any, *args: Any) -> Any:
         if self.broken is not None:
