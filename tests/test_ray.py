@@ -52,6 +52,73 @@ def test_engines_apart_from_training_are_a_ray_jobs_alone(ray, engines, message,
         check_vllm_settings(config, 2)
 
 
+# ------------------------------------------------------------ model groups of their own
+@pytest.mark.parametrize("cluster_kw, other, expect", [
+    ({"ref_num_gpus_per_node": 1}, {}, ("ref",)),  # one rank answering both actor ranks
+    ({"ref_num_nodes": 1, "ref_num_gpus_per_node": 2}, {}, ("ref",)),
+    ({"ref_num_gpus_per_node": 2, "colocate_actor_ref": True}, {}, ()),  # in the actor's ranks
+    ({"ref_num_gpus_per_node": 2, "colocate_all": True}, {}, ()),
+    ({}, {}, ()),  # none given: in the actor's ranks
+    ({"ref_num_gpus_per_node": 1}, {"kl_coef": 0.0}, ()),  # no KL: no reference at all
+    ({"ref_num_gpus_per_node": 1, "reward_num_nodes": 1}, {"reward_pretrain": "rm"},
+     ("ref", "reward")),
+    ({"reward_num_gpus_per_node": 1}, {}, ()),  # no reward model to place
+    ({"reward_num_gpus_per_node": 2, "colocate_critic_reward": True}, {"reward_pretrain": "rm"},
+     ()),
+    ({"ref_num_gpus_per_node": 3},
+     {}, "ref_num_gpus_per_node=3 is invalid: a reference group of its own answers actor rank i "
+         "from its rank i mod its size, which must divide the actor group's 2 ranks (it has 3); "
+         "give a divisor, or pass --colocate_actor_ref"),
+    ({"reward_num_nodes": 3}, {"reward_pretrain": "rm"},
+     "reward_num_nodes=3 is invalid: a reward model group of its own answers actor "
+     "rank i from its rank i mod its size, which must divide the actor group's 2 ranks (it has "
+     "3); give a divisor, or pass --colocate_critic_reward"),
+    ({"ref_num_gpus_per_node": 1, "colocate_actor_ref": True}, {},
+     "ref_num_gpus_per_node=1 is invalid: the reference runs inside the actor group's ranks "
+     "(--colocate_actor_ref or --colocate_all): give the actor's 2 or drop it"),
+    ({"critic_num_gpus_per_node": 1}, {},
+     "critic_num_gpus_per_node=1 is invalid: the critic runs inside the actor group's ranks (a "
+     "group of its own is not supported yet): give the actor's 2 or drop it"),
+    ({"ref_num_gpus_per_node": 1}, {"model_config": "config.json"},
+     "ref_num_gpus_per_node=1 is invalid without --pretrain or --ref_pretrain: a reference "
+     "group of its own loads its weights; pass one, or --colocate_actor_ref"),
+    ({"reward_num_gpus_per_node": 1}, {"sequence_parallel_size": 2, "reward_pretrain": "rm"},
+     "reward_num_gpus_per_node=1 is invalid with sequence or tensor parallelism: a reward "
+     "model group of its own takes whole micro-batches; pass --colocate_critic_reward"),
+])
+def test_model_groups_of_their_own_are_placed_as_openrlhf_places_them_or_refused_in_one_line(
+        cluster_kw, other, expect):
+    """``--ref_num_nodes``/``--ref_num_gpus_per_node`` without ``--colocate_actor_ref`` (or
+    ``--colocate_all``) is a reference group of its own, as in OpenRLHF, when a KL asks for a
+    reference; ``--reward_*`` without ``--colocate_critic_reward`` a reward group of its own
+    for ``--reward_pretrain``. A group's size must divide the actor group's, and what it cannot
+    take (no checkpoint to load, sequence or tensor parallelism) is one line before anything
+    starts."""
+    from strategy.cluster.driver import model_groups
+    from strategy.config import StrategyConfig
+    from strategy.config.cluster import ClusterConfig
+    from strategy.errors import ConfigError
+    from strategy.trainers import GRPOConfig
+    from strategy.trainers.config import ModelConfig
+
+    def by_type():
+        model = {"model_config": other["model_config"]} if "model_config" in other \
+            else {"pretrain": "init"}
+        rewards = {"reward_pretrain": other["reward_pretrain"]} if "reward_pretrain" in other \
+            else {"reward_fn": "m:f"}
+        return {ClusterConfig: ClusterConfig(**{"actor_num_gpus_per_node": 2, **cluster_kw}),
+                GRPOConfig: GRPOConfig(kl_coef=other.get("kl_coef", 0.01), **rewards),
+                ModelConfig: ModelConfig(**model), StrategyConfig: StrategyConfig(
+                    sequence_parallel_size=other.get("sequence_parallel_size", 1))}
+
+    if isinstance(expect, str):
+        with pytest.raises(ConfigError) as caught:
+            model_groups(by_type())
+        assert str(caught.value) == expect
+    else:
+        assert model_groups(by_type()) == expect
+
+
 # ------------------------------------------------------------ the wire, without vLLM
 def test_the_weight_stream_carries_names_dtypes_and_shapes_in_order_and_drains():
     """``send_weights`` on rank 0, two receivers (an engine's two workers) on a gloo group of
@@ -149,10 +216,18 @@ def _wait_for(url: str, seconds: float) -> None:
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
+    from transformers import AutoModelForSequenceClassification
+
+    from strategy.trainers.run import hf_config
     from tests.support.helpers import toy_root
 
     root = tmp_path_factory.mktemp("ray")
-    toy_root(root, n_train=45, n_test=13, model_dir="init")
+    tok = toy_root(root, n_train=45, n_test=13, model_dir="init")
+    torch.manual_seed(1)  # a reward model: the same backbone family, one output
+    scorer = AutoModelForSequenceClassification.from_config(
+        hf_config("configs/tiny_llama.json", tok, num_labels=1))
+    scorer.save_pretrained(root / "rm")
+    tok.save_pretrained(root / "rm")
     return root
 
 
@@ -235,22 +310,24 @@ def _act_once_trained(root, name: str, steps: int, act):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["two_nodes", "colocated_async"])
 def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
-    """GRPO at ZeRO-3 (KL to a reference in the actor's ranks), OpenRLHF's flags, gives
+    """GRPO at ZeRO-3 with a KL to a reference, OpenRLHF's flags, gives
     per-step losses, rewards, KL and the export of the torchrun path (an engine colocated in
     each rank, same seeds: each request's own seed decides its samples) to 1e-6; the engine's
     log-probs agree with the trainer's after every sync (the weights arrived). ``two_nodes``:
-    the actor group's 2 ranks on one node, the vLLM engine actor on the other (placement.json
-    says where).
+    the actor group's 2 ranks on one node, the vLLM engine actor and a reference group of its
+    own (``--ref.num_gpus_per_node 1``: one rank, asked by both actor ranks; the KL held to 1e-6
+    is its work) on the other (placement.json says where).
     Submitted with ``ray job submit`` to the cluster's dashboard.
-    ``colocated_async``: the engine in rank 0's bundle (``--train.colocate_all``), each rollout
+    ``colocated_async``: the engine and the reference in the actor's ranks' bundles
+    (``--train.colocate_all``), each rollout
     generated in the engine's actor while the step before trains (``--train.async_enable``),
     against torchrun's ``--async_rollouts 1``."""
     from safetensors.torch import load_file
 
     from tests.support.helpers import run_job, torchrun_command
 
-    placement = {"two_nodes": [], "colocated_async": ["--train.colocate_all",
-                                                      "--train.async_enable"]}[case]
+    placement = {"two_nodes": ["--ref.num_nodes", "1", "--ref.num_gpus_per_node", "1"],
+                 "colocated_async": ["--train.colocate_all", "--train.async_enable"]}[case]
     extra = {"async_rollouts": 1} if case == "colocated_async" else {}
     name = f"ray_{case}"
     job = _ray_job(cluster, ["--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2",
@@ -266,7 +343,12 @@ def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
     engine = where["vllm_engines"][0]
     if case == "two_nodes":
         assert engine["node_id"] not in actor_nodes  # the other node
+        # the reference in a group of its own there: one rank answering both actor ranks
+        assert [(r["rank"], r["node_id"]) for r in where["ref"]] == [(0, engine["node_id"])]
+        assert where["ref"][0]["placement_group"] not in {
+            place["placement_group"] for place in where["actor"] + where["vllm_engines"]}
     else:
+        assert "ref" not in where  # inside the actor group's ranks
         assert (engine["node_id"], engine["bundle"]) == (where["actor"][0]["node_id"],
                                                          where["actor"][0]["bundle"])
     assert all(len(place["devices"]) == 1 for place in where["actor"] + where["vllm_engines"])
@@ -298,15 +380,52 @@ def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
 
 @needs_ray
 @pytest.mark.slow
+def test_a_reward_model_group_of_its_own_scores_as_the_torchrun_ranks_do(cluster, toy):
+    """``--reward_pretrain`` with ``--reward.num_gpus_per_node 1``: the reward model in a Ray
+    group of its own (one rank, on the node the actor group is not on, asked by both actor
+    ranks), rollouts in the ranks (``--rollout_engine hf``), gives the torchrun path's rewards
+    (each of the weighted sum's on its own), losses and export to 1e-6."""
+    from safetensors.torch import load_file
+
+    from tests.support.helpers import run_job, torchrun_command
+
+    settings = {"vllm_num_engines": None, "rollout_engine": "hf", "vllm_enforce_eager": None,
+                "vllm_timeout": None, "reward_pretrain": f"{toy}/rm",
+                "reward_weights": "0.5,1.0", "max_steps": 2}
+    job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", "--reward.num_gpus_per_node", "1",
+                             "--algo.advantage.estimator", "group_norm",
+                             *_flags(toy, "ray_rm", **settings)])
+    assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
+    where = json.loads((toy / "ray_rm" / "logs" / "placement.json").read_text())
+    assert [r["rank"] for r in where["reward"]] == [0] and "ref" not in where
+    assert where["reward"][0]["node_id"] not in {r["node_id"] for r in where["actor"]}
+    ref = run_job(torchrun_command("-m", "strategy.cli.train_grpo",
+                                   *_flags(toy, "torchrun_rm", **settings)), timeout=400)
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
+    ray_rows, ref_rows = _history(toy, "ray_rm"), _history(toy, "torchrun_rm")
+    assert [r["step"] for r in ray_rows] == [r["step"] for r in ref_rows] == [1, 2]
+    for ours, theirs in zip(ray_rows, ref_rows):
+        for key in ("train/loss", "train/reward", "train/reward_model",
+                    "train/reward_reversal_reward", "train/kl", "train/grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], abs=1e-6), (ours["step"], key)
+    assert len({r["train/reward_model"] for r in ray_rows}) == 2  # scored, not a constant
+    a, b = (load_file(toy / n / "model" / "model.safetensors") for n in ("ray_rm", "torchrun_rm"))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
+
+
+@needs_ray
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["engine_killed", "engine_stopped", "rank_killed",
-                                   "driver_sigterm"])
+                                   "ref_killed", "driver_sigterm"])
 def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(cluster, toy, fault):
     """Once training runs, ``engine_killed``: the engine actor SIGKILLed, and the driver ends
     (exit 1) with one line naming the engine and the call it died in; ``engine_stopped``: the
     engine actor SIGSTOPped (alive, never answering), one line naming the engine and
     ``--vllm_timeout`` (its shutdown at teardown waits no longer); ``rank_killed``: the
     actor group's rank 1 SIGKILLed, one line naming the group, the rank and its node;
-    ``driver_sigterm``:
+    ``ref_killed``: the one rank of a reference group of its own SIGKILLed, one line naming it,
+    its node and the actor rank that asked it; ``driver_sigterm``:
     SIGTERM to the driver, which tears the job down and ends (exit 143) with one line. Either
     way every actor of the job is gone (the cluster's resources all free again; the session
     check finds no process, /dev/shm entry or temp file: the engine's temp folder is removed on
@@ -320,11 +439,14 @@ def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(clus
                     signal.SIGKILL if fault == "engine_killed" else signal.SIGSTOP)
         elif fault == "rank_killed":
             os.kill(where["actor"][1]["pid"], signal.SIGKILL)
+        elif fault == "ref_killed":
+            os.kill(where["ref"][0]["pid"], signal.SIGKILL)
         else:
             proc.send_signal(signal.SIGTERM)
 
+    ref = ["--ref.num_gpus_per_node", "1"] if fault == "ref_killed" else []
     job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", "--vllm.num_engines", "1",
-                             "--algo.advantage.estimator", "group_norm",
+                             "--algo.advantage.estimator", "group_norm", *ref,
                              *_flags(toy, name, vllm_num_engines=None, max_steps=6,
                                      vllm_timeout=STOPPED_TIMEOUT_S if fault == "engine_stopped"
                                      else 120)],
@@ -343,6 +465,10 @@ def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(clus
         assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
         assert lines[-1].startswith("error: actor group rank 1 (node "), job.stderr[-3000:]
         assert " died: " in lines[-1], lines[-1]
+    elif fault == "ref_killed":  # the actor ranks' next ask of it
+        assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
+        assert lines[-1].startswith("error: actor group rank 0 (node "), job.stderr[-3000:]
+        assert ": reference group rank 0 (node " in lines[-1] and " died: " in lines[-1], lines[-1]
     else:
         assert job.returncode == 128 + signal.SIGTERM, (job.stdout + job.stderr)[-4000:]
         assert lines[-1] == ("error: the Ray job was stopped by SIGTERM; its actors and placement "

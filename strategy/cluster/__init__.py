@@ -1,6 +1,7 @@
-"""Online RL across machines on Ray, placed as OpenRLHF places it: the actor group's ranks and
-the vLLM engines are Ray actors in placement groups (``--actor_num_nodes``,
-``--actor_num_gpus_per_node``, ``--vllm_num_engines``, ``--vllm_tensor_parallel_size``,
+"""Online RL across machines on Ray, placed as OpenRLHF places it: the actor group's ranks, the
+reference and reward model groups and the vLLM engines are Ray actors in placement groups
+(``--actor_num_nodes``, ``--actor_num_gpus_per_node``, ``--ref_num_nodes``,
+``--reward_num_nodes``, ``--vllm_num_engines``, ``--vllm_tensor_parallel_size``,
 ``--colocate_all``), driven by one process (``driver.run_on_ray``); the engines' layer is
 ``strategy.rollout.vllm_ray``.
 
@@ -9,6 +10,8 @@ the vLLM engines are Ray actors in placement groups (``--actor_num_nodes``,
   reserved, reserved with a deadline, ordered by node.
 - ``driver``: the job: settings checked, Ray joined or started, actors placed and run,
   ``placement.json``, everything torn down however it ends.
+- ``model_group``: a frozen model's group of its own (the reference, the reward model): its
+  Ray ranks, and what an actor rank asks them through.
 
 May import: ``strategy.errors``, ``strategy.config``, ``strategy.rollout``, ``strategy.trainers``
 (the commands its ranks run), and Ray (the optional extra), only once a Ray job runs.

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from strategy.cluster.model_group import GROUP_NAMES, GROUPS_VAR, FrozenRank, RayRank
 from strategy.cluster.placement import (
     actor_share,
     check_fits,
@@ -29,34 +30,21 @@ from strategy.cluster.placement import (
     require_ray,
     reserve,
 )
-from strategy.config.cluster import ClusterConfig
-from strategy.dist import first_line, free_port
+from strategy.config import StrategyConfig
+from strategy.config.cluster import COLOCATE, ClusterConfig
+from strategy.dist import first_line
 from strategy.errors import ConfigError, RankFailedError, StrategyError
 from strategy.rollout.config import ENGINES_VAR, RolloutConfig
 from strategy.rollout.vllm_ray import VllmEngine, engine_env, remove_engine_files
-from strategy.trainers.config import TrainConfig
+from strategy.trainers.config import ModelConfig, TrainConfig
 
 SHUTDOWN_S = 60.0  # an engine's own shutdown (at most --vllm_timeout), before its actor is killed
 POLL_S = 1.0
 
 
-class TrainingRank:
+class TrainingRank(RayRank):
     """One rank of the actor group, in a Ray actor: runs the trainer's command as a launcher's
     rank would (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``)."""
-
-    def where(self) -> dict:
-        import ray  # the optional extra: a Ray job only
-
-        context = ray.get_runtime_context()
-        return {"node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "devices": [str(d) for d in context.get_accelerator_ids().get("GPU", [])],
-                "pid": os.getpid()}
-
-    def rendezvous(self) -> tuple[str, int]:
-        """This node's address and a free port on it (rank 0's, for the group's store)."""
-        import ray  # the optional extra: a Ray job only
-
-        return ray.util.get_node_ip_address(), free_port()
 
     def run(self, command: str, argv: list[str], env: dict[str, str], cwd: str) -> Any:
         """The trainer's command, this actor being one of its ranks; its result."""
@@ -95,6 +83,30 @@ def configs(command: str, argv: list[str]) -> dict:
     return by_type
 
 
+def model_groups(by_type: dict) -> tuple[str, ...]:
+    """The job's frozen models placed in Ray groups of their own (``ref`` when a KL asks for a
+    reference, ``reward`` for ``--reward_pretrain``), checked: one line, before anything starts,
+    for what such a group cannot take."""
+    cluster, model = by_type[ClusterConfig], by_type[ModelConfig]
+    trainer = next(c for c in by_type.values() if hasattr(c, "kl_coef"))
+    wanted = {"ref": trainer.kl_coef > 0, "reward": bool(trainer.reward_pretrain)}
+    groups = tuple(g for g in ("ref", "reward") if wanted[g] and cluster.apart(g))
+    for group in groups:
+        flag = f"{group}_num_gpus_per_node"
+        if getattr(cluster, flag) is None:
+            flag = f"{group}_num_nodes"
+        value, fix = getattr(cluster, flag), COLOCATE[group][1]
+        if group == "ref" and not (model.ref_pretrain or model.pretrain):
+            raise ConfigError(f"{flag}={value} is invalid without --pretrain or --ref_pretrain: "
+                              f"a reference group of its own loads its weights; pass one, or "
+                              f"{fix}")
+        if by_type[StrategyConfig].model_parallel_size > 1:
+            raise ConfigError(f"{flag}={value} is invalid with sequence or tensor parallelism: "
+                              f"a {GROUP_NAMES[group]} of its own takes whole micro-batches; pass "
+                              f"{fix}")
+    return groups
+
+
 class Job:
     """One Ray job's actors and placement groups (``run`` starts, waits and tears down)."""
 
@@ -103,20 +115,25 @@ class Job:
         self.cluster: ClusterConfig = by_type[ClusterConfig]
         self.rollout: RolloutConfig = by_type[RolloutConfig]
         self.log_dir = by_type[TrainConfig].log_dir
+        self.model_groups = model_groups(by_type)
         self.namespace = f"strategy-{os.getpid()}-{time.time_ns()}"
         self.groups: list[Any] = []
         self.engines: list[Any] = []
         self.ranks: list[Any] = []
-        self.where: dict[str, list[dict]] = {"actor": [], "vllm_engines": []}
+        self.frozen: dict[str, list[Any]] = {group: [] for group in self.model_groups}
+        self.where: dict[str, list[dict]] = {"actor": [], "vllm_engines": [],
+                                             **{group: [] for group in self.model_groups}}
 
     # ------------------------------------------------------------ placement
     def place(self) -> None:
-        job = plan(self.cluster, self.rollout)
+        job = plan(self.cluster, self.rollout, self.model_groups)
         check_fits(job, self.ray)
         timeout = self.cluster.ray_timeout
         actor = reserve(self.ray, job.actor, "PACK", timeout, "actor group")
         self.groups.append(actor)
         slots = ordered_bundles(self.ray, actor)
+        for group, bundles in job.groups.items():
+            self._start_group(group, bundles)
         share = 0.5 if job.colocated else 1.0
         self._start_engines(job, actor, slots, share)
         self._start_ranks(job, actor, slots, share)
@@ -156,6 +173,39 @@ class Job:
                 [e.where.remote() for e in self.engines], "vLLM engines", "start")):
             entry.update(where)
 
+    def _start_group(self, group: str, bundles: list[dict]) -> None:
+        """A frozen model's group of its own: its placement group and ranks (not yet loaded)."""
+        name = GROUP_NAMES[group]
+        placed = reserve(self.ray, bundles, "PACK", self.cluster.ray_timeout, name)
+        self.groups.append(placed)
+        remote = self.ray.remote(FrozenRank)
+        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        for rank, (bundle, _, _) in enumerate(ordered_bundles(self.ray, placed)):
+            actor = f"{group}-{rank}"
+            self.frozen[group].append(remote.options(
+                name=actor, namespace=self.namespace, max_concurrency=1,
+                **self._options(placed, bundle, bundles[0], 1.0, env)).remote())
+            self.where[group].append({"rank": rank, "name": actor, "bundle": bundle,
+                                      "placement_group": placed.id.hex()})
+        for entry, where in zip(self.where[group], self._get(
+                [r.where.remote() for r in self.frozen[group]], name, "start")):
+            entry.update(where)
+
+    def _load_group(self, group: str) -> None:
+        """A group's ranks load its model (their own rendezvous), within ``--ray_timeout``."""
+        name, ranks, places = GROUP_NAMES[group], self.frozen[group], self.where[group]
+        master = self._get([ranks[0].rendezvous.remote()], name, "start")[0]
+        refs = {rank.start.remote(group, self.command, self.argv,
+                                  group_env(places, r, master), os.getcwd()): r
+                for r, rank in enumerate(ranks)}
+        try:
+            self.ray.get(list(refs), timeout=self.cluster.ray_timeout)
+        except self.ray.exceptions.GetTimeoutError:
+            raise RankFailedError(f"the {name} did not load its model within --ray_timeout="
+                                  f"{self.cluster.ray_timeout:g} s") from None
+        except self.ray.exceptions.RayError:
+            raise RankFailedError(self.first_failure(refs, name, places)) from None
+
     def _start_ranks(self, job: Any, actor: Any, slots: list, share: float) -> None:
         remote = self.ray.remote(TrainingRank)
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -176,20 +226,22 @@ class Job:
 
     # ------------------------------------------------------------ the run
     def rank_env(self, rank: int, master: tuple[str, int]) -> dict[str, str]:
-        nodes = [w["node_id"] for w in self.where["actor"]]
-        node = nodes[rank]
-        env = {"RANK": str(rank), "WORLD_SIZE": str(len(nodes)),
-               "LOCAL_RANK": str(nodes[:rank].count(node)),
-               "LOCAL_WORLD_SIZE": str(nodes.count(node)), "LOCAL_SIZE": str(nodes.count(node)),
-               "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])}
+        env = group_env(self.where["actor"], rank, master)
+        if self.frozen:
+            env[GROUPS_VAR] = json.dumps({
+                "namespace": self.namespace, "timeout": self.cluster.ray_timeout,
+                "ranks": {group: [{k: p[k] for k in ("rank", "name", "ip", "node_id")}
+                                  for p in self.where[group]] for group in self.frozen}})
         if self.engines:
             env[ENGINES_VAR] = json.dumps({"namespace": self.namespace, "names": [
                 e["name"] for e in self.where["vllm_engines"]]})
         return env
 
     def run(self) -> Any:
-        master = self._get([self.ranks[0].rendezvous.remote()], "actor group", "start")[0]
         self.write_placement()
+        for group in self.frozen:
+            self._load_group(group)
+        master = self._get([self.ranks[0].rendezvous.remote()], "actor group", "start")[0]
         refs = {self.ranks[r].run.remote(self.command, self.argv, self.rank_env(r, master),
                                          os.getcwd()): r for r in range(len(self.ranks))}
         results: dict[int, Any] = {}
@@ -200,10 +252,11 @@ class Job:
                 try:
                     results[refs[ref]] = self.ray.get(ref)
                 except self.ray.exceptions.RayError:
-                    raise RankFailedError(self.first_failure(refs)) from None
+                    raise RankFailedError(self.first_failure(refs, "actor group",
+                                                             self.where["actor"])) from None
         return results[0]
 
-    def first_failure(self, refs: dict) -> str:
+    def first_failure(self, refs: dict, group: str, places: list[dict]) -> str:
         """The line of a rank whose actor died (the cause: its peers then fail in a collective
         with it), else of the lowest failing rank (every rank raises the first error alike);
         those still running are given a moment to end."""
@@ -219,12 +272,11 @@ class Job:
         if not failed:
             raise AssertionError("no rank failed")  # not reached: one did
         _, rank, exc = min(failed, key=lambda item: item[:2])
-        return self.failure(rank, exc)
+        return self.failure(group, places[rank], exc)
 
-    def failure(self, rank: int, exc: Any) -> str:
+    def failure(self, group: str, place: dict, exc: Any) -> str:
         """One line: the group, the rank, its node, and what happened."""
-        node = self.where["actor"][rank]
-        where = f"actor group rank {rank} (node {node['ip']} {node['node_id'][:8]})"
+        where = f"{group} rank {place['rank']} (node {place['ip']} {place['node_id'][:8]})"
         if isinstance(exc, self.ray.exceptions.RayActorError):
             return f"{where} died: {first_line(exc)}"
         cause = getattr(exc, "cause", None) or exc
@@ -268,7 +320,8 @@ class Job:
             refs = [engine.shutdown.remote() for engine in self.engines]
             ray.wait(refs, num_returns=len(refs),
                      timeout=min(SHUTDOWN_S, self.rollout.vllm_timeout))
-        for handle in self.ranks + self.engines:
+        frozen = [rank for ranks in self.frozen.values() for rank in ranks]
+        for handle in self.ranks + frozen + self.engines:
             try:
                 ray.kill(handle)
             except Exception:  # noqa: BLE001 - already gone
@@ -279,18 +332,28 @@ class Job:
                 remove_placement_group(group)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        self.engines, self.ranks, self.groups = [], [], []
+        self.engines, self.ranks, self.frozen, self.groups = [], [], {}, []
 
 
 def local_resources(by_type: dict, temp_dir: str) -> dict:
     """``ray.init``'s arguments for a Ray of this job's own on this machine: its CPUs, and on
     a machine without CUDA as many logical GPUs as the placement asks (its ranks run on CPU)."""
-    asked = plan(by_type[ClusterConfig], by_type[RolloutConfig]).asked()
+    asked = plan(by_type[ClusterConfig], by_type[RolloutConfig], model_groups(by_type)).asked()
     out = {"include_dashboard": False, "_temp_dir": temp_dir,
            "num_cpus": max(int(asked.get("CPU", 0) + 0.999), os.cpu_count() or 1)}
     if not torch.cuda.is_available() and "GPU" in asked:
         out["num_gpus"] = int(asked["GPU"] + 0.999)
     return out
+
+
+def group_env(places: list[dict], rank: int, master: tuple[str, int]) -> dict[str, str]:
+    """A launcher's environment for rank ``rank`` of the group placed at ``places``."""
+    nodes = [place["node_id"] for place in places]
+    node = nodes[rank]
+    return {"RANK": str(rank), "WORLD_SIZE": str(len(nodes)),
+            "LOCAL_RANK": str(nodes[:rank].count(node)),
+            "LOCAL_WORLD_SIZE": str(nodes.count(node)), "LOCAL_SIZE": str(nodes.count(node)),
+            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])}
 
 
 class Stopped(KeyboardInterrupt):

@@ -5,7 +5,7 @@ was asked, what the cluster has, which flag to change."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from strategy.config.cluster import ClusterConfig
@@ -43,23 +43,30 @@ def actor_share(cluster: ClusterConfig, bundle: dict[str, float], share: float) 
 @dataclass(frozen=True)
 class Plan:
     """The bundles a job asks for: the actor group's (shared with the engines under
-    ``colocate_all``) and the engines' own."""
+    ``colocate_all``), the engines' own, and each model group's of its own (``ref``,
+    ``reward``)."""
 
     actor: list[dict[str, float]]
     engines: list[dict[str, float]]
     colocated: bool
+    groups: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+
+    def bundles(self) -> list[dict[str, float]]:
+        return self.actor + self.engines + [b for group in self.groups.values() for b in group]
 
     def asked(self) -> dict[str, float]:
         total: dict[str, float] = {}
-        for bundle in self.actor + self.engines:
+        for bundle in self.bundles():
             for key, value in bundle.items():
                 total[key] = total.get(key, 0.0) + value
         return total
 
 
-def plan(cluster: ClusterConfig, rollout: RolloutConfig) -> Plan:
-    """The job's bundles, or one line for a placement this layout cannot take."""
+def plan(cluster: ClusterConfig, rollout: RolloutConfig, groups: tuple[str, ...] = ()) -> Plan:
+    """The job's bundles (``groups``: its model groups of their own), or one line for a
+    placement this layout cannot take."""
     actor = [device_bundle(cluster)] * cluster.world_size
+    apart = {group: [device_bundle(cluster)] * cluster.group_size(group) for group in groups}
     n, tp = rollout.vllm_num_engines, rollout.vllm_tensor_parallel_size
     if cluster.colocate_all and n:
         if tp != 1 or n > cluster.world_size:
@@ -67,8 +74,8 @@ def plan(cluster: ClusterConfig, rollout: RolloutConfig) -> Plan:
                               f"vllm_tensor_parallel_size={tp}: a colocated engine shares one "
                               f"rank's device; use at most {cluster.world_size} engines of "
                               "tensor parallel 1, or drop --colocate_all")
-        return Plan(actor, [], True)
-    return Plan(actor, [device_bundle(cluster, tp)] * n, False)
+        return Plan(actor, [], True, apart)
+    return Plan(actor, [device_bundle(cluster, tp)] * n, False, apart)
 
 
 def _shown(resources: dict[str, float]) -> str:
@@ -84,18 +91,22 @@ def check_fits(job: Plan, ray: Any) -> None:
             have[key] = have.get(key, 0.0) + resources.get(key, 0.0)
     asked = job.asked()
     short = [key for key, value in asked.items() if value > have.get(key, 0.0)]
-    too_big = [bundle for bundle in job.actor + job.engines
+    too_big = [bundle for bundle in job.bundles()
                if not any(all(res.get(k, 0.0) >= v for k, v in bundle.items()) for res in nodes)]
     if short or too_big:
         what = (f"{len(job.actor)} actor bundles of {_shown(job.actor[0])}"
                 + (f" and {len(job.engines)} vLLM engine bundles of {_shown(job.engines[0])}"
-                   if job.engines else ""))
+                   if job.engines else "")
+                + "".join(f" and {len(bundles)} {group} bundles of {_shown(bundles[0])}"
+                          for group, bundles in job.groups.items()))
         raise ConfigError(
             f"the Ray placement does not fit: it asks {what} ({_shown(asked)} in all), the "
             f"cluster's {len(nodes)} node(s) have {_shown(have)}"
             + (f", none holding a bundle of {_shown(too_big[0])}" if too_big else "")
             + "; lower --actor_num_nodes/--actor_num_gpus_per_node or --vllm_num_engines/"
-            "--vllm_tensor_parallel_size, pass --colocate_all, or add nodes")
+            "--vllm_tensor_parallel_size" + "".join(
+                f" or --{group}_num_nodes/--{group}_num_gpus_per_node" for group in job.groups)
+            + ", pass --colocate_all, or add nodes")
 
 
 def reserve(ray: Any, bundles: list[dict[str, float]], strategy: str, timeout: float,

@@ -10,6 +10,12 @@ from strategy.config.fields import check_positive, doc
 from strategy.errors import fail
 
 RAY_TRAINERS = ("grpo", "ppo")
+COLOCATE = {  # a group's name, colocation flag, and when it runs inside the actor's ranks
+    "ref": ("reference", "--colocate_actor_ref", "--colocate_actor_ref or --colocate_all"),
+    "critic": ("critic", "", "a group of its own is not supported yet"),
+    "reward": ("reward model", "--colocate_critic_reward",
+               "--colocate_critic_reward or --colocate_all"),
+}
 DEVICE_RESOURCES = ("GPU", "CPU")
 
 
@@ -37,31 +43,34 @@ class ClusterConfig:
         "Ray: ranks (devices) of the actor group per node; its world size is nodes x this", 1,
         trainers=RAY_TRAINERS)
     ref_num_nodes: int | None = doc(
-        "Ray: the reference model's nodes; it runs inside the actor group's ranks here, so "
-        "only the actor's placement (or none) is taken", None, trainers=RAY_TRAINERS)
+        "Ray: the reference model's nodes (1 if only ref_num_gpus_per_node is given); given, "
+        "the reference runs in a group of its own unless --colocate_actor_ref or "
+        "--colocate_all; none: inside the actor group's ranks", None, trainers=RAY_TRAINERS)
     ref_num_gpus_per_node: int | None = doc(
-        "Ray: the reference model's devices per node (as ref_num_nodes)", None,
-        trainers=RAY_TRAINERS)
+        "Ray: the reference group's ranks (devices) per node (1 if only ref_num_nodes is "
+        "given); its size must divide the actor group's: actor rank i asks its rank i mod size",
+        None, trainers=RAY_TRAINERS)
     critic_num_nodes: int | None = doc(
         "Ray: the critic's nodes (PPO); it runs inside the actor group's ranks here (as "
         "ref_num_nodes)", None, trainers=RAY_TRAINERS)
     critic_num_gpus_per_node: int | None = doc(
         "Ray: the critic's devices per node (as critic_num_nodes)", None, trainers=RAY_TRAINERS)
     reward_num_nodes: int | None = doc(
-        "Ray: the reward model's nodes; it runs inside the actor group's ranks here (as "
-        "ref_num_nodes)", None, trainers=RAY_TRAINERS)
+        "Ray: the reward model's nodes (--reward_pretrain; 1 if only reward_num_gpus_per_node "
+        "is given); given, it runs in a group of its own unless --colocate_critic_reward or "
+        "--colocate_all; none: inside the actor group's ranks", None, trainers=RAY_TRAINERS)
     reward_num_gpus_per_node: int | None = doc(
-        "Ray: the reward model's devices per node (as reward_num_nodes)", None,
+        "Ray: the reward group's ranks (devices) per node (as ref_num_gpus_per_node)", None,
         trainers=RAY_TRAINERS)
     colocate_all: bool = doc(
         "Ray: the vLLM engines share the actor group's devices (a fractional share each), "
         "one engine of one device per rank's bundle", False, trainers=RAY_TRAINERS)
     colocate_actor_ref: bool = doc(
-        "Ray: reference and actor share devices (always so here: the reference runs in the "
-        "actor's ranks)", False, trainers=RAY_TRAINERS)
-    colocate_critic_reward: bool = doc(
-        "Ray: critic and reward model share devices (always so here: both run in the actor's "
+        "Ray: reference and actor share devices (the reference runs in the actor group's "
         "ranks)", False, trainers=RAY_TRAINERS)
+    colocate_critic_reward: bool = doc(
+        "Ray: critic and reward model share devices (both run in the actor group's ranks; the "
+        "critic always does here)", False, trainers=RAY_TRAINERS)
 
     def __post_init__(self) -> None:
         check_positive(self, "actor_num_nodes", "actor_num_gpus_per_node")
@@ -71,13 +80,37 @@ class ClusterConfig:
             fail("ray_timeout", self.ray_timeout, "use a positive number of seconds, e.g. 300")
         actor = (self.actor_num_nodes, self.actor_num_gpus_per_node)
         for group in ("ref", "critic", "reward"):
-            asked = (getattr(self, f"{group}_num_nodes"),
-                     getattr(self, f"{group}_num_gpus_per_node"))
-            for name, value, same in zip(("num_nodes", "num_gpus_per_node"), asked, actor):
+            names = (f"{group}_num_nodes", f"{group}_num_gpus_per_node")
+            if self.apart(group):
+                check_positive(self, *(name for name in names if getattr(self, name) is not None))
+                if self.world_size % self.group_size(group):
+                    given = names[1] if getattr(self, names[1]) is not None else names[0]
+                    fail(given, getattr(self, given),
+                         f"a {COLOCATE[group][0]} group of its own answers actor rank i from "
+                         f"its rank i mod its size, which must divide the actor group's "
+                         f"{self.world_size} ranks (it has {self.group_size(group)}); give a "
+                         f"divisor, or pass {COLOCATE[group][1]}")
+                continue
+            for name, same in zip(names, actor):
+                value = getattr(self, name)
                 if value is not None and value != same:
-                    fail(f"{group}_{name}", value,
-                         f"the {group} model runs inside the actor group's ranks here (a group "
-                         f"of its own is not supported yet): give the actor's {same} or drop it")
+                    fail(name, value, f"the {COLOCATE[group][0]} runs inside the actor group's "
+                         f"ranks ({COLOCATE[group][2]}): give the actor's {same} or drop it")
+
+    def apart(self, group: str) -> bool:
+        """``group`` (ref, critic, reward) in a Ray group of its own (OpenRLHF's placement when
+        its size is given and it is not colocated), not inside the actor group's ranks."""
+        if group == "critic":
+            return False  # a critic group of its own is not supported yet
+        given = any(getattr(self, f"{group}_{name}") is not None
+                    for name in ("num_nodes", "num_gpus_per_node"))
+        colocated = self.colocate_actor_ref if group == "ref" else self.colocate_critic_reward
+        return given and not (colocated or self.colocate_all)
+
+    def group_size(self, group: str) -> int:
+        """A group of its own's ranks: nodes x devices per node, each 1 when not given."""
+        return ((getattr(self, f"{group}_num_nodes") or 1)
+                * (getattr(self, f"{group}_num_gpus_per_node") or 1))
 
     @property
     def world_size(self) -> int:

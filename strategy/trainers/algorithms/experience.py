@@ -269,10 +269,8 @@ class ExperienceMaker:
                 b["trained"] = trained[i:i + micro]
             batches.append(b)
         if self.ref_model is not None:
-            with torch.no_grad():
-                for b in batches:
-                    b["ref_logp"] = token_logps(self.ref_model, self.to_device(b),
-                                               self.grpo.temperature)[0].cpu()
+            for b, logp in zip(batches, self.reference_logps(batches)):
+                b["ref_logp"] = logp
         self.advantages(batches)
         real = slice(0, len(completions) - filler)  # the filler's figures are not the step's
         lengths = [sum(e.model) for e in episodes] or [len(c) for c in completions]
@@ -280,6 +278,16 @@ class ExperienceMaker:
         if episodes:
             metrics.update(self.episodes.metrics(episodes[real]))
         return batches, metrics
+
+    def reference_logps(self, batches: list[dict]) -> list[torch.Tensor]:
+        """The reference's log-probs of each micro-batch's targets (on the CPU): forwarded here,
+        or asked of the reference's own Ray group (``strategy.cluster.model_group``)."""
+        remote = getattr(self.ref_model, "logps_of", None)
+        if remote is not None:
+            return remote(batches)
+        with torch.no_grad():
+            return [token_logps(self.ref_model, self.to_device(b), self.grpo.temperature)[0].cpu()
+                    for b in batches]
 
     def _rollout_metrics(self, rewards: torch.Tensor, lengths: list[int],
                          truncated: torch.Tensor, shaped: dict) -> dict:

@@ -213,7 +213,9 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
         shared = grpo.shared_prompt_forward  # None: where a forward call does not gather weights
         self.share_prompts = not strategy.config.partitions_parameters if shared is None \
             else shared
-        self.ref_model = strategy.prepare(ref_model) if ref_model is not None else None
+        if isinstance(ref_model, torch.nn.Module):  # else a group of its own (``logps_of``)
+            ref_model = strategy.prepare(ref_model)
+        self.ref_model = ref_model
         self.per_rank = prompts_per_rank(strategy.config, strategy.world_size, grpo.group_size,
                                          grpo.rollout_batch_size)
         self._old_logps: dict[int, torch.Tensor] = {}  # micro-batch -> first update's log-probs

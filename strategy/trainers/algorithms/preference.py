@@ -92,11 +92,17 @@ def reference_model(run: Any, model):
         model: the policy (from ``Run.model``), copied when there is no checkpoint to load.
 
     Returns:
-        The reference model, frozen (the strategy's ``prepare`` makes it an eval engine).
+        The reference model, frozen (the strategy's ``prepare`` makes it an eval engine); in a
+        Ray job whose reference has a group of its own, that group (``RemoteReference``).
 
     Raises:
         ConfigError: from ``--model_config`` under ZeRO-3 or LoRA.
     """
+    from strategy.cluster.model_group import remote_group  # light: no Ray until a Ray job
+
+    remote = remote_group("ref")
+    if remote is not None:
+        return remote
     source = run.model_cfg.ref_pretrain or run.model_cfg.pretrain
     if source:  # QLoRA: the same 4-bit base
         return run.strategy.from_pretrained(source, frozen=True, **run.attention(),

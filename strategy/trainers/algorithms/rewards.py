@@ -231,6 +231,21 @@ def ids_scores(model: Any, ids: list[list[int]], pad_token_id: int | None,
     return [float(score) for score in sequence_scores(model, batch).cpu()]
 
 
+def model_reward(run: Any, grpo: Any) -> Any:
+    """The reward model (``--reward_pretrain``) as an eval engine of ``run``'s strategy
+    (``ModelReward``); in a Ray job whose reward model has a group of its own, that group
+    (``strategy.cluster.model_group.RemoteReward``, called alike)."""
+    from strategy.cluster.model_group import remote_group  # light: no Ray until a Ray job
+
+    remote = remote_group("reward")
+    if remote is not None:
+        return remote
+    model = run.strategy.from_pretrained(grpo.reward_pretrain, AutoModelForSequenceClassification,
+                                         frozen=True)
+    tokenizer = AutoTokenizer.from_pretrained(grpo.reward_pretrain)
+    return ModelReward(run.strategy.prepare(model), tokenizer, run.data.max_len)
+
+
 def build_rewards(run: Any, grpo: Any) -> Rewards:
     """The on-policy reward: the weighted sum (``reward_weights``) of the ``reward_fn`` callables
     and the reward model (an eval engine), each logged on its own.
@@ -248,10 +263,7 @@ def build_rewards(run: Any, grpo: Any) -> Rewards:
             scorer = OpenRLHFReward(grpo.remote_rm_url, run.tokenizer.eos_token,
                                     run.data.label_key)
         elif name == "model" and grpo.reward_pretrain:
-            model = run.strategy.from_pretrained(grpo.reward_pretrain,
-                                                 AutoModelForSequenceClassification, frozen=True)
-            tokenizer = AutoTokenizer.from_pretrained(grpo.reward_pretrain)
-            scorer = ModelReward(run.strategy.prepare(model), tokenizer, run.data.max_len)
+            scorer = model_reward(run, grpo)
         else:
             scorer = CallableReward(name, grpo.reward_timeout)
             name = scorer.name
