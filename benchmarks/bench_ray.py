@@ -29,10 +29,8 @@ path's steps/s.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -40,6 +38,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from figures import commit_measured, row  # noqa: E402 - the benchmarks' own helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIDES = ("torchrun", "ray_one_node", "ray_two_nodes")
@@ -165,33 +166,22 @@ def run_side(args, side: str, rnd: int) -> dict:
     return result
 
 
-def row(figure: str, values: list[float], unit: str, args, commit: str) -> dict:
-    return {"figure": figure, "value": round(statistics.median(values), 4), "unit": unit,
-            "range": [round(min(values), 4), round(max(values), 4)], "rounds": len(values),
-            "date": datetime.date.today().isoformat(), "commit": commit,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU",
-            "command": "python benchmarks/bench_ray.py " + " ".join(sys.argv[1:])}
-
-
 def report(args, results: dict[str, list[dict]]) -> list[dict]:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()
-    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                      capture_output=True, text=True).stdout.strip():
-        commit += "+changes"  # the tree measured is not that commit's
+    commit = commit_measured(REPO)
+    command = "python benchmarks/bench_ray.py " + " ".join(sys.argv[1:])
     units = {"steps_per_s": "steps/s", "step_s": "s", "weight_sync_s": "s", "job_s": "s",
              "driver_rss_mb": "MB", "cluster_start_s": "s"}
     rows = []
     for side, runs in results.items():
         for key, unit in units.items():
             if key in runs[0]:
-                rows.append(row(f"{side}.{key}", [r[key] for r in runs], unit, args, commit))
+                rows.append(row(f"{side}.{key}", [r[key] for r in runs], unit, command, commit))
     if "torchrun" in results:
         for side in [s for s in results if s != "torchrun"]:
             ratios = [r["steps_per_s"] / t["steps_per_s"]
                       for r, t in zip(results[side], results["torchrun"])]
-            rows.append(row(f"{side}.steps_per_s_vs_torchrun", ratios, "x (per round)", args,
-                            commit))
+            rows.append(row(f"{side}.steps_per_s_vs_torchrun", ratios, "x (per round)",
+                            command, commit))
     return rows
 
 

@@ -8,6 +8,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,12 +20,28 @@ def _script(name: str):
     return module
 
 
-def test_the_docs_state_the_ray_figures_of_its_results_file():
-    rows = json.loads((ROOT / "benchmarks" / "results" / "ray.json").read_text())
+PAGES = [  # (results file, page, the block's first line, the script, what renders it)
+    ("ray", "docs/benchmarks.md", "<!-- bench_ray: python benchmarks/bench_ray.py --table -->",
+     "bench_ray", "markdown"),
+    ("default", "README.md",
+     "<!-- bench_default: python benchmarks/bench_default.py --readme -->", "bench_default",
+     "readme"),
+]
+
+
+@pytest.mark.parametrize("results, page, marker, script, render", PAGES,
+                         ids=[p[0] + ":" + p[1] for p in PAGES])
+def test_each_stated_figure_is_its_results_files(results, page, marker, script, render):
+    """Each results row holds where and how it was measured; each page's block is what the
+    script renders from the file (so a figure cannot be typed by hand, or go stale)."""
+    rows = json.loads((ROOT / "benchmarks" / "results" / f"{results}.json").read_text())
     for row in rows:  # the fields every results row holds
-        assert {"figure", "value", "range", "rounds", "date", "commit", "machine"} <= set(row)
+        assert {"figure", "value", "range", "rounds", "date", "commit", "machine",
+                "command"} <= set(row)
         assert row["range"][0] <= row["value"] <= row["range"][1], row["figure"]
-    page = (ROOT / "docs" / "benchmarks.md").read_text()
-    block = page.split("<!-- bench_ray: python benchmarks/bench_ray.py --table -->\n", 1)[1]
-    assert block.split("<!-- end bench_ray -->", 1)[0] == _script("bench_ray").markdown(rows), (
-        "run python benchmarks/bench_ray.py --table into docs/benchmarks.md")
+    text = (ROOT / page).read_text()
+    assert marker + "\n" in text, f"{page} has no block {marker}"
+    block = text.split(marker + "\n", 1)[1].split(f"<!-- end {script} -->", 1)[0]
+    flag = marker.split(f"{script}.py ", 1)[1].removesuffix(" -->")
+    assert block == getattr(_script(script), render)(rows), (
+        f"run python benchmarks/{script}.py {flag} into {page}")
