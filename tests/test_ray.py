@@ -94,7 +94,7 @@ def test_model_groups_of_their_own_are_placed_as_openrlhf_places_them_or_refused
     for ``--reward_pretrain``. A group's size must divide the actor group's, and what it cannot
     take (no checkpoint to load, sequence or tensor parallelism) is one line before anything
     starts."""
-    from strategy.cluster.driver import model_groups
+    from strategy.cluster.settings import model_groups
     from strategy.config import StrategyConfig
     from strategy.config.cluster import ClusterConfig
     from strategy.errors import ConfigError

@@ -8,6 +8,7 @@ reference and reward model groups and the vLLM engines are Ray actors in placeme
 - ``config``: ``ClusterConfig``, the placement flags.
 - ``placement``: the bundles asked for, checked against the cluster before anything is
   reserved, reserved with a deadline, ordered by node.
+- ``settings``: the job's settings checked before anything starts, and its model groups.
 - ``driver``: the job: settings checked, Ray joined or started, actors placed and run,
   ``placement.json``, everything torn down however it ends.
 - ``model_group``: a frozen model's group of its own (the reference, the reward model): its

@@ -56,7 +56,7 @@ class FrozenRank(RayRank):
         """The strategy (this group's ranks only) and the frozen model, loaded as the actor
         group's ranks would load it, from the job's settings checked as they check them."""
         from strategy.checkpoint import CheckpointConfig  # heavy: a Ray job's start only
-        from strategy.cluster.driver import configs  # as above
+        from strategy.cluster.settings import configs  # as above
         from strategy.config import StrategyConfig  # as above
         from strategy.deepspeed_strategy import DeepSpeedStrategy  # as above
         from strategy.optim import OptimConfig  # as above
