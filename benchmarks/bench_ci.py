@@ -27,7 +27,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from figures import commit_measured, row  # noqa: E402 - the benchmarks' own helpers
+from figures import commit_measured, paragraph, row, write_rows  # noqa: E402 - ours
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results", "ci.json")
@@ -125,7 +125,7 @@ def readme(rows: list[dict]) -> str:
     if again is not None:
         text += (f", and {minutes(again['value'])} run again right after "
                  f"(exit {by['ci.again.exit']['value']:.0f})")
-    return text + f" on {first['date']} at {first['commit']} ({first['machine']}).\n"
+    return paragraph(text + f" on {first['date']} at {first['commit']} ({first['machine']}).")
 
 
 def main() -> None:
@@ -153,11 +153,7 @@ def main() -> None:
                 "_s") else "", command, commit))
     for test, seconds in rounds[-1]["slowest"].items():  # the last round's
         rows.append(row(f"ci.slowest.{test}", [seconds], "s", command, commit))
-    os.makedirs(os.path.dirname(args.results), exist_ok=True)
-    with open(args.results, "w") as fh:
-        json.dump(rows, fh, indent=1)
-        fh.write("\n")
-    print(f"written to {args.results}")
+    write_rows(args.results, rows)
     sys.exit(max(r["exit"] for r in rounds))
 
 

@@ -18,13 +18,18 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
-import textwrap
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from figures import commit_measured, row  # noqa: E402 - the benchmarks' own helpers
+from figures import (  # noqa: E402 - the benchmarks' own helpers
+    commit_measured,
+    paragraph,
+    row,
+    run_example,
+    span,
+    write_rows,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results", "default.json")
@@ -35,18 +40,12 @@ AGREES = re.compile(r"agrees with the in-training model on (\d+)/(\d+) answers")
 def one_run(port: int) -> dict:
     """One run of the script: its figures, read from its output and its metrics."""
     with tempfile.TemporaryDirectory(prefix="bench-default-") as out:
-        env = {**os.environ, "SKIP_SETUP": "1", "OUT": os.path.join(out, "o"),
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(["bash", "examples/run_default.sh"], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=900)
-        if proc.returncode:
-            raise SystemExit(f"run_default.sh failed (exit {proc.returncode}):\n"
-                             f"{proc.stderr[-3000:]}")
+        stdout = run_example(REPO, "run_default.sh", os.path.join(out, "o"), port, 900)
         rows = [json.loads(line) for line in open(os.path.join(out, "o", "logs",
                                                                "metrics.jsonl"))]
     times = [r["train/step_time"] for r in rows if "train/step_time" in r]
-    accuracy, agrees = ACCURACY.search(proc.stdout), AGREES.search(proc.stdout)
-    wall = re.search(r"\[default run\] done in (\d+) s", proc.stdout)
+    accuracy, agrees = ACCURACY.search(stdout), AGREES.search(stdout)
+    wall = re.search(r"\[default run\] done in (\d+) s", stdout)
     return {"heldout_accuracy": float(accuracy.group(1)), "samples": int(accuracy.group(2)),
             "reload_agrees": int(agrees.group(1)),
             "train_s": sum(times) / len(times) * max(r["step"] for r in rows),
@@ -56,20 +55,17 @@ def one_run(port: int) -> dict:
 def readme(rows: list[dict]) -> str:
     """The README's paragraph on the main job, from the results."""
     by = {r["figure"]: r for r in rows}
-
-    def span(key: str, fmt: str) -> str:
-        low, high = by[key]["range"]
-        return f"{low:{fmt}}" if f"{low:{fmt}}" == f"{high:{fmt}}" else f"{low:{fmt}}-{high:{fmt}}"
-
     first, samples = rows[0], int(by["default.samples"]["value"])
+    train, wall = span(by["default.train_s"], ".0f"), span(by["default.wall_s"], ".0f")
+    accuracy = span(by["default.heldout_accuracy"], ".1f")
+    agrees = span(by["default.reload_agrees"], ".0f")
     text = (f"What you will see from the main job, measured {first['rounds']} times "
             f"({first['date']}, {first['commit']}, {first['machine']}) with the install already "
             f"done (`SKIP_SETUP=1`; `{first['command']}`): one epoch, 256 steps, trained in "
-            f"{span('default.train_s', '.0f')} s; **{span('default.heldout_accuracy', '.1f')}% "
-            f"held-out exact match** on {samples} unseen strings, and the fresh-process reload "
-            f"gives {span('default.reload_agrees', '.0f')} of the {samples} answers of the model "
-            f"in training; **{span('default.wall_s', '.0f')} s** from start to the last line.")
-    return textwrap.fill(text, width=99, break_on_hyphens=False, break_long_words=False) + "\n"
+            f"{train} s; **{accuracy}% held-out exact match** on {samples} unseen strings, and "
+            f"the fresh-process reload gives {agrees} of the {samples} answers of the model in "
+            f"training; **{wall} s** from start to the last line.")
+    return paragraph(text)
 
 
 def main() -> None:
@@ -93,11 +89,7 @@ def main() -> None:
              "train_s": "s", "wall_s": "s"}
     rows = [row(f"default.{key}", [r[key] for r in runs], unit, command, commit)
             for key, unit in units.items()]
-    os.makedirs(os.path.dirname(args.results), exist_ok=True)
-    with open(args.results, "w") as fh:
-        json.dump(rows, fh, indent=1)
-        fh.write("\n")
-    print(f"written to {args.results}")
+    write_rows(args.results, rows)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from deepspeed.accelerator import get_accelerator
 
 from strategy.errors import ConfigError, RankFailedError, StrategyError
 from strategy.internals import default_store, shm_allreduce_buffer_path
+from strategy.internals.vllm import engine_holds_world
 from strategy.log import print0  # noqa: F401 - ``print`` on rank 0 only, re-exported
 
 _OPS = {"sum": torch_dist.ReduceOp.SUM, "mean": torch_dist.ReduceOp.SUM,
@@ -185,8 +186,6 @@ def end_process_group() -> None:
     left to the interpreter's teardown, gloo's threads now and then abort a rank that had finished
     ("terminate called without an active exception", exit -6). A vLLM engine still alive in this
     process (``external_launcher``) joined the group: its own shutdown ends it."""
-    from strategy.internals.vllm import engine_holds_world
-
     if torch_dist.is_available() and torch_dist.is_initialized() and not engine_holds_world():
         torch_dist.destroy_process_group()
 

@@ -165,6 +165,39 @@ def test_the_weight_stream_carries_names_dtypes_and_shapes_in_order_and_drains()
         assert torch.equal(last[1][1], tensors[1][1])
 
 
+def test_an_engines_record_of_its_shared_memory_names_its_semaphores_and_removes_them(tmp_path):
+    """``shm_mapped_by`` finds the /dev/shm files a process maps by inode: a multiprocessing
+    semaphore (``sem.mp-*``, which a map shows as ``sem.XXXXXX (deleted)``) and a ``psm_*``
+    segment; ``remove_engine_files`` unlinks what the record names and the temp folder."""
+    import json
+    import multiprocessing
+    from multiprocessing import resource_tracker, shared_memory, util
+
+    from strategy.rollout.vllm_ray import SHM_RECORD, remove_engine_files, shm_mapped_by
+
+    lock = multiprocessing.get_context("spawn").Lock()  # named as vLLM's executor's are
+    segment = shared_memory.SharedMemory(name=f"psm_test{os.getpid()}", create=True, size=64)
+    sem = "sem." + lock._semlock.name.lstrip("/")
+    try:
+        found = shm_mapped_by([os.getpid()])
+        assert sem in found and segment.name in found, found
+        (tmp_path / SHM_RECORD).write_text(json.dumps(found))
+        remove_engine_files(str(tmp_path))
+        assert not os.path.exists(f"/dev/shm/{sem}") and not tmp_path.exists()
+        assert not os.path.exists(f"/dev/shm/{segment.name}")
+    finally:
+        segment.close()
+        for path in (f"/dev/shm/{sem}", f"/dev/shm/{segment.name}"):
+            if os.path.exists(path):
+                os.unlink(path)
+        # removed here already: the lock's own finalizer and the resource tracker would warn
+        for done in [f for f in util._finalizer_registry.values()
+                     if f._args == (lock._semlock.name,)]:
+            done.cancel()
+        resource_tracker.unregister(lock._semlock.name, "semaphore")
+        resource_tracker.unregister(f"/{segment.name}", "shared_memory")
+
+
 # ------------------------------------------------------------ a two-node cluster
 @pytest.fixture(scope="module")
 def cluster():

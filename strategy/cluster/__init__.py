@@ -12,7 +12,7 @@ reference and reward model groups and the vLLM engines are Ray actors in placeme
 - ``driver``: the job: settings checked, Ray joined or started, actors placed and run,
   ``placement.json``, everything torn down however it ends.
 - ``model_group``: a frozen model's group of its own (the reference, the reward model): its
-  Ray ranks, and what an actor rank asks them through.
+  Ray ranks (an actor rank asks them through ``strategy.rollout.remote_models``).
 
 May import: ``strategy.errors``, ``strategy.config``, ``strategy.rollout``, ``strategy.trainers``
 (the commands its ranks run), and Ray (the optional extra), only once a Ray job runs.

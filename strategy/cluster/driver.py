@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from strategy.cluster.model_group import GROUP_NAMES, GROUPS_VAR, FrozenRank, RayRank
+from strategy.cluster.model_group import FrozenRank, RayRank
 from strategy.cluster.placement import (
     actor_share,
     check_fits,
@@ -35,6 +35,7 @@ from strategy.config.cluster import ClusterConfig
 from strategy.dist import first_line
 from strategy.errors import ConfigError, RankFailedError, StrategyError
 from strategy.rollout.config import ENGINES_VAR, RolloutConfig
+from strategy.rollout.remote_models import GROUP_NAMES, GROUPS_VAR
 from strategy.rollout.vllm_ray import VllmEngine, engine_env, remove_engine_files
 from strategy.trainers.config import TrainConfig
 

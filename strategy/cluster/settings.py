@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 
-from strategy.cluster.model_group import GROUP_NAMES
 from strategy.config import StrategyConfig
 from strategy.config.cluster import COLOCATE, ClusterConfig
 from strategy.errors import ConfigError
+from strategy.rollout.remote_models import GROUP_NAMES
 from strategy.trainers.config import ModelConfig
 
 
@@ -22,11 +22,13 @@ def configs(command: str, argv: list[str]) -> dict:
         commands,
         foreign_flags,
         hidden_flags,
+        openrlhf_argv,
     )
 
     trainer = commands()[command]
-    parsed, _ = parse_configs(list(CONFIG_CLASSES + tuple(trainer.config_classes)), argv,
-                              None, foreign_flags(trainer), hidden_flags(trainer))
+    parsed, _ = parse_configs(list(CONFIG_CLASSES + tuple(trainer.config_classes)),
+                              openrlhf_argv(argv), None, foreign_flags(trainer),
+                              hidden_flags(trainer))
     cluster = next(c for c in parsed if isinstance(c, ClusterConfig))
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(cluster.world_size)

@@ -22,6 +22,9 @@ tokens (the same sampling draws). Where the module generating is whole on its ra
 and ``GatheredRollout``'s copy) the tokens come from ``strategy.decode``, which drops ended rows
 from the batch and draws ``generate``'s tokens; the partitioned forward keeps ``generate``.
 
+``remote_models`` holds the clients of a Ray job's frozen models placed apart (the reference's
+log-probs, the reward model's scores): the trainers ask them as they would a local model.
+
 May import: ``strategy.errors``, ``strategy.internals``, ``strategy.dist``, ``strategy.config``
 (``RolloutConfig``'s fields), ``strategy.model``, ``strategy.decode``, ``strategy.export`` (the
 units a sync streams), and vLLM (the optional extra), only once a vLLM engine is asked for.

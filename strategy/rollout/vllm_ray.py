@@ -200,19 +200,22 @@ def descendants(pid: int) -> list[int]:
 
 def shm_mapped_by(pids: list[int]) -> list[str]:
     """The /dev/shm files of vLLM's kinds (its message queues' ``psm_*``, its CPU groups'
-    ``*cpushm*``, multiprocessing's ``sem.mp-*``) that the processes ``pids`` have mapped."""
-    names: set[str] = set()
+    ``*cpushm*``, multiprocessing's ``sem.mp-*``) that the processes ``pids`` have mapped.
+    Matched by inode, not by the name a map shows: glibc creates a named semaphore under a
+    temporary name, maps it, links it to its name and unlinks the temporary, so its creator's
+    map reads ``sem.XXXXXX (deleted)``, never ``sem.mp-...``."""
+    inodes: set[int] = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
-                paths = [line.split(maxsplit=5)[-1].strip() for line in f if SHM_DIR in line]
+                inodes.update(int(line.split()[4]) for line in f if SHM_DIR + "/" in line)
         except OSError:  # gone meanwhile
             continue
-        for path in paths:
-            name = os.path.basename(path.removesuffix(" (deleted)"))
-            if path.startswith(SHM_DIR + "/") and not path.endswith(" (deleted)") and (
-                    name.startswith(("psm_", "sem.mp-")) or "cpushm" in name):
-                names.add(name)
+    names = []
+    for entry in os.scandir(SHM_DIR) if inodes else ():
+        if (entry.name.startswith(("psm_", "sem.mp-")) or "cpushm" in entry.name) and \
+                entry.inode() in inodes:
+            names.append(entry.name)
     return sorted(names)
 
 

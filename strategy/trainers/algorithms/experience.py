@@ -281,7 +281,7 @@ class ExperienceMaker:
 
     def reference_logps(self, batches: list[dict]) -> list[torch.Tensor]:
         """The reference's log-probs of each micro-batch's targets (on the CPU): forwarded here,
-        or asked of the reference's own Ray group (``strategy.cluster.model_group``)."""
+        or asked of the reference's own Ray group (``strategy.rollout.remote_models``)."""
         remote = getattr(self.ref_model, "logps_of", None)
         if remote is not None:
             return remote(batches)

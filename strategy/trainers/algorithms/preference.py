@@ -18,6 +18,7 @@ import torch
 from strategy.config import StrategyConfig
 from strategy.errors import fail
 from strategy.log import get_logger
+from strategy.rollout.remote_models import remote_group
 from strategy.trainers.config import LoraConfig, ModelConfig, ORPOConfig, SimPOConfig
 from strategy.trainers.data import PAIRS
 from strategy.trainers.data.packing import pair_count, per_sample_sums
@@ -98,7 +99,6 @@ def reference_model(run: Any, model):
     Raises:
         ConfigError: from ``--model_config`` under ZeRO-3 or LoRA.
     """
-    from strategy.cluster.model_group import remote_group  # light: no Ray until a Ray job
 
     remote = remote_group("ref")
     if remote is not None:

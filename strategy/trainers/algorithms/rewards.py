@@ -32,6 +32,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from strategy.errors import DataError, fail
+from strategy.rollout.remote_models import remote_group
 from strategy.trainers.algorithms.remote_reward import OpenRLHFReward, finite_number
 from strategy.trainers.losses import sequence_scores
 
@@ -234,8 +235,7 @@ def ids_scores(model: Any, ids: list[list[int]], pad_token_id: int | None,
 def model_reward(run: Any, grpo: Any) -> Any:
     """The reward model (``--reward_pretrain``) as an eval engine of ``run``'s strategy
     (``ModelReward``); in a Ray job whose reward model has a group of its own, that group
-    (``strategy.cluster.model_group.RemoteReward``, called alike)."""
-    from strategy.cluster.model_group import remote_group  # light: no Ray until a Ray job
+    (``strategy.rollout.remote_models.RemoteReward``, called alike)."""
 
     remote = remote_group("reward")
     if remote is not None:

@@ -1,0 +1,74 @@
+"""The clients of the frozen models' Ray groups of their own (``strategy.cluster.model_group``):
+an actor rank's reference or reward model when the driver placed it apart. Actor rank ``i`` asks
+group rank ``i mod size``; a dead or silent rank is one line naming it and its node. Ray is
+imported only once a group is asked for (the driver's ``GROUPS_VAR`` names one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from strategy.dist import first_line, get_rank
+from strategy.errors import RankFailedError
+
+GROUPS_VAR = "STRATEGY_MODEL_GROUPS"  # an actor rank's environment: the groups' ranks
+GROUP_NAMES = {"ref": "reference group", "reward": "reward model group"}
+
+
+class RemoteGroup:
+    """An actor rank's view of one group: its rank ``i mod size``, asked within ``--ray_timeout``;
+    a dead or silent rank is one line naming it and its node."""
+
+    def __init__(self, kind: str, namespace: str, ranks: list[dict], timeout: float) -> None:
+        import ray  # the optional extra: a Ray job only
+
+        self.place = ranks[get_rank() % len(ranks)]
+        self.kind, self.timeout, self.ray = kind, timeout, ray
+        self.handle = ray.get_actor(self.place["name"], namespace=namespace)
+
+    def ask(self, method: str, calls: list[tuple]) -> list:
+        """``method(*args)`` for each ``args`` of ``calls``, in order; the answers."""
+        refs = [getattr(self.handle, method).remote(*args) for args in calls]
+        try:
+            return self.ray.get(refs, timeout=self.timeout)
+        except self.ray.exceptions.GetTimeoutError:
+            raise RankFailedError(f"{self._named()} did not answer within --ray_timeout="
+                                  f"{self.timeout:g} s") from None
+        except self.ray.exceptions.RayActorError as exc:
+            raise RankFailedError(f"{self._named()} died: {first_line(exc)}") from None
+
+    def _named(self) -> str:
+        return (f"{GROUP_NAMES[self.kind]} rank {self.place['rank']} (node {self.place['ip']} "
+                f"{self.place['node_id'][:8]})")
+
+
+class RemoteReference(RemoteGroup):
+    """The reference in a group of its own: the trainers ask it ``logps_of`` (a local
+    reference is a model they forward themselves)."""
+
+    def logps_of(self, batches: list[dict]) -> list[torch.Tensor]:
+        """Each micro-batch's reference log-probs (their layout as a local forward's)."""
+        return self.ask("logps", [(b,) for b in batches])
+
+
+class RemoteReward(RemoteGroup):
+    """The reward model in a group of its own, called as ``ModelReward`` is."""
+
+    scores_eos = True
+
+    def __call__(self, prompts: list[str], completions: list[str], rows: list[dict],
+                 ended: list[bool] | None = None) -> list[float]:
+        return self.ask("scores", [(prompts, completions, ended)])[0]
+
+
+def remote_group(kind: str) -> RemoteGroup | None:
+    """This actor rank's ``kind`` group (``"ref"`` or ``"reward"``, from the driver's
+    ``GROUPS_VAR``), or None: the model is then this rank's own."""
+    groups = json.loads(os.environ.get(GROUPS_VAR) or "{}")
+    if kind not in groups.get("ranks", {}):
+        return None
+    cls = RemoteReference if kind == "ref" else RemoteReward
+    return cls(kind, groups["namespace"], groups["ranks"][kind], groups["timeout"])
