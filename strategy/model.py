@@ -19,7 +19,7 @@ from transformers.integrations import deepspeed as hf_deepspeed
 from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from strategy.checkpoint.safe_load import check_safetensors_dir
-from strategy.errors import ConfigError
+from strategy.errors import ConfigError, fail
 from strategy.quant import keep_storage_layout
 
 IGNORE_INDEX = -100  # transformers' label for tokens that are not scored (prompt, padding)
@@ -185,3 +185,16 @@ def hf_config(path: str, tokenizer: Any = None, **kwargs: Any):
                       eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     values.update(kwargs)
     return CONFIG_MAPPING[kind](**values)
+
+
+def saved_reward_scale(path: str, saved: Any) -> tuple[float, float]:
+    """The ``mean`` and ``std`` of a reward model's scores as its config holds them (OpenRLHF's
+    reward models save them in config.json), for ``--normalize_reward``: (score - mean) / std.
+    ``saved``: the loaded config, or config.json's dict. One line naming the flag when they are
+    missing."""
+    values = saved if isinstance(saved, dict) else vars(saved)
+    mean, std = values.get("mean"), values.get("std")
+    if mean is None or not std:
+        fail("normalize_reward", True, f"{path}/config.json holds no mean and std (OpenRLHF's "
+             "reward models save them); drop the flag")
+    return float(mean), float(std)

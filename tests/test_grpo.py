@@ -6,6 +6,7 @@ settings refused before any process group (or at the first bad reward, naming th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -72,6 +73,9 @@ def toy(tmp_path_factory):
         hf_config("configs/tiny_llama.json", tok, num_labels=1))
     scorer.save_pretrained(root / "rm")
     tok.save_pretrained(root / "rm")
+    scorer.config.mean, scorer.config.std = 0.25, 2.0  # as OpenRLHF's reward models save them
+    scorer.save_pretrained(root / "rm_normalized")
+    tok.save_pretrained(root / "rm_normalized")
     return root
 
 
@@ -525,12 +529,16 @@ def model_reward_run(root: str) -> dict:
         prompts, completions = ["ab=", "abcdef=", "q="], ["ba", "fedcbaxyzxyz", ""]
         reward(prompts, completions, [{"output": "ba"}] * 3)
         scores = reward.last["model"]
+        normalized = build_rewards(run, dataclasses.replace(  # --normalize_reward
+            run.config(GRPOConfig), reward_pretrain=f"{root}/rm_normalized",
+            normalize_reward=True))
+        normalized(prompts, completions, [{"output": "ba"}] * 3)
         reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
         trainer = run.trainer(GRPOTrainer, run.model(), grpo=run.config(GRPOConfig),
                               ref_model=reference, reward=reward)
         trainer.fit()
-    return {"scores": scores, "texts": [p + c for p, c in zip(prompts, completions)],
-            "history": trainer.history}
+    return {"scores": scores, "normalized": normalized.last["model"],
+            "texts": [p + c for p, c in zip(prompts, completions)], "history": trainer.history}
 
 
 @pytest.mark.slow
@@ -546,6 +554,8 @@ def test_reward_model_scores_under_zero3_with_offload(ranks, toy):
                 for t in out[0]["texts"]]
     assert len(set(want)) == 3
     assert out[0]["scores"] == pytest.approx(want, abs=1e-5)
+    # --normalize_reward: by the mean and std the model's config.json holds
+    assert out[0]["normalized"] == pytest.approx([(w - 0.25) / 2.0 for w in want], abs=1e-5)
     assert [row["step"] for row in out[0]["history"]] == [1, 2]
     assert all(math.isfinite(row["reward"]) and math.isfinite(row["loss"])
                for row in out[0]["history"])
@@ -634,6 +644,8 @@ CASES = [
     ({"reward_weights": "1,x"}, "reward_weights='1,x' is invalid: write numbers separated by "
                                 "commas"),
     ({"reward_timeout": -1}, "reward_timeout=-1.0 is invalid: use seconds > 0, or 0"),
+    ({"normalize_reward": True, "reward_pretrain": "RM"},  # a config.json without mean and std
+     "/rm/config.json holds no mean and std (OpenRLHF's reward models save them); drop the flag"),
     ({"reward_fn": f"{REWARD},tests.support.rewards:nope"},
      "reward_fn='tests.support.rewards:nope' is invalid: tests.support.rewards has no callable "
      "'nope'"),
@@ -648,7 +660,8 @@ def test_bad_grpo_setting_fails_before_process_group(toy, monkeypatch, change, m
     from tests.support.helpers import forbid_process_group
 
     forbid_process_group(monkeypatch)
-    change = {k: (f"{toy}/data/tokenizer" if v == "TOK" else v) for k, v in change.items()}
+    named = {"TOK": f"{toy}/data/tokenizer", "RM": f"{toy}/rm"}
+    change = {k: named.get(v, v) if isinstance(v, str) else v for k, v in change.items()}
     argv = [a for a in _argv(toy, "refused", **change) if not a.endswith("=None")]
     with pytest.raises(ConfigError) as info:
         Run.from_args(argv, trainer=GRPOTrainer)

@@ -39,12 +39,10 @@ REFUSED = {  # script -> the flags it is refused for here (each with its one lin
     "train_dpo_llama.sh": ["--ds.attn_implementation"],
     # the script's Mixtral replaced by a tiny Llama: no router, so no router loss
     "train_sft_mixtral_lora.sh": ["--ds.attn_implementation", "--model.aux_loss_coef"],
-    "train_ppo_ray_hybrid_engine.sh": ["--reward.normalize_enable", "--vllm.sync_backend",
+    "train_ppo_ray_hybrid_engine.sh": ["--vllm.sync_backend",
                                        "--ds.enable_sleep", *TOKENS, "--vllm.enable_sleep"],
-    "train_ppo_ray_slurm.sh": ["--rollout.micro_batch_size", "--reward.normalize_enable",
-                               "--vllm.sync_backend"],
-    "train_ppo_with_reward_fn.sh": ["--rollout.micro_batch_size", "--reward.normalize_enable",
-                                    "--ds.attn_implementation"],
+    "train_ppo_ray_slurm.sh": ["--rollout.micro_batch_size", "--vllm.sync_backend"],
+    "train_ppo_with_reward_fn.sh": ["--rollout.micro_batch_size", "--ds.attn_implementation"],
     # --ckpt.save_steps and --eval.steps count rollouts in OpenRLHF, optimizer steps here
     "train_dapo_ray_hybrid_engine.sh": ["--rollout.micro_batch_size", "--vllm.sync_backend",
                                         "--ds.enable_sleep", "--ckpt.save_steps",
@@ -151,6 +149,7 @@ def toy(tmp_path_factory):
     torch.manual_seed(1)
     scorer = AutoModelForSequenceClassification.from_config(
         hf_config(str(ROOT / "configs" / "tiny_llama.json"), tok, num_labels=1))
+    scorer.config.mean, scorer.config.std = 0.25, 2.0  # as OpenRLHF's reward models save them
     scorer.save_pretrained(root / "rm")
     tok.save_pretrained(root / "rm")
     return root

@@ -77,6 +77,10 @@ def toy(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ppo")
     toy_root(root, n_train=45, n_test=11, model_dir="init")  # 2 rollouts of 16 per epoch
+    shutil.copytree(root / "init", root / "init_scaled")  # a critic start that holds a scale
+    config = json.loads((root / "init_scaled" / "config.json").read_text())
+    (root / "init_scaled" / "config.json").write_text(json.dumps({**config, "mean": 0.5,
+                                                                   "std": 4.0}))
     return root
 
 
@@ -191,10 +195,12 @@ def mixed_stages(root: str) -> dict:
     from strategy.trainers import PPOConfig, PPOTrainer
     from strategy.trainers.algorithms.ppo import build_critic
     from strategy.trainers.algorithms.rewards import build_rewards
+    from strategy.trainers.losses import IGNORE, token_values
     from strategy.trainers.run import Run
 
     argv = _argv(root, "mixed", zero_stage=2, critic_zero_stage=3, critic_adam_offload=True,
-                 max_steps=2, save_steps=-1, save_value_network=False)
+                 max_steps=2, save_steps=-1, save_value_network=False,
+                 critic_pretrain=f"{root}/init_scaled", normalize_reward=True)
     with Run.from_args(argv, trainer=PPOTrainer) as run:
         reference = run.strategy.from_pretrained(run.model_cfg.pretrain, frozen=True)
         ppo = run.config(PPOConfig)
@@ -203,12 +209,18 @@ def mixed_stages(root: str) -> dict:
         trainer = run.trainer(PPOTrainer, built["model"], grpo=ppo, ref_model=reference,
                               reward=build_rewards(run, ppo), critic=built["critic"])
         trainer.fit()
+        batch = trainer.to_device({  # --normalize_reward: the critic's values by its scale
+            "input_ids": torch.tensor([[5, 6, 7, 8, 0]]), "labels": torch.tensor(
+                [[IGNORE, IGNORE, 7, 8, IGNORE]]), "attention_mask": torch.ones(1, 5).long()})
+        with torch.no_grad():
+            scaled, raw = trainer.values(batch)[0], token_values(trainer.critic, batch)[0]
         engines = {"model": trainer.model, "critic": trainer.critic}
         return {"stage": {k: e.zero_optimization_stage() for k, e in engines.items()},
                 "partitioned": partitioned,
                 "adam": {k: type(e.basic_optimizer).__name__ for k, e in engines.items()},
                 "head": (trainer.critic.module.dropout.p, trainer.critic.module.score.bias),
-                "history": trainer.history}
+                "history": trainer.history, "scale": trainer.value_scale,
+                "values": (scaled.cpu(), raw.cpu())}
 
 
 @pytest.mark.slow
@@ -221,6 +233,12 @@ def test_the_critic_runs_at_its_own_zero_stage_and_offload(ranks, toy):
     losses = [row["critic_loss"] for row in out["history"]]
     assert len(losses) == 2 and losses[0] != losses[1] and all(v > 0 for v in losses)
     assert not (toy / "mixed" / "model_critic").exists()  # no --save_value_network: no export
+    # --normalize_reward with a critic start whose config.json holds mean 0.5, std 4 (OpenRLHF's
+    # critic from a reward model): its values (value - 0.5) / 4 where scored, 0 elsewhere
+    assert out["scale"] == (0.5, 4.0)
+    scaled, raw = out["values"]
+    assert torch.equal(scaled != 0, raw != 0) and (raw != 0).sum() == 2
+    torch.testing.assert_close(scaled[raw != 0], (raw[raw != 0] - 0.5) / 4.0)
 
 
 def test_a_derived_factory_leaves_the_runs_construction_hook_as_it_found_it():

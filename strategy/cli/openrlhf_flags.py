@@ -112,6 +112,7 @@ DOTTED: dict[str, tuple[str, ...]] = {
     "reward.remote_url": ("--remote_rm_url", "{}"),  # a reward_func file or server URLs
     "data.label_key": ("--label_key", "{}"),  # the labels OpenRLHF's rewards get
     "reward.model_name_or_path": ("--reward_pretrain", "{}"),  # one model here (OpenRLHF: a list)
+    "reward.normalize_enable": ("--normalize_reward",),  # by the mean and std it saved
     # default the reward model, else the policy, both
     "critic.model_name_or_path": ("--critic_pretrain", "{}"),
     "critic.save_value_network": ("--save_value_network",),  # here to <save_path>_critic
@@ -318,8 +319,6 @@ REFUSED: dict[str, str] = {
     "train.max_tokens_per_gpu": _TOKENS,
     "rollout.micro_batch_size": "the experience stage runs in --micro_train_batch_size "
                                 "micro-batches",
-    "reward.normalize_enable": "no reward-model normalization here; --advantage_estimator "
-                               "group_norm or reinforce_baseline whiten advantages",
     "critic.freezing_steps": "no critic warm-up here: policy and critic train from the first step",
     "algo.kl.target": "no adaptive KL controller here: the weight is fixed (--kl_coef)",
     "algo.kl.horizon": "no adaptive KL controller here: the weight is fixed (--kl_coef)",

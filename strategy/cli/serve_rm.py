@@ -32,6 +32,7 @@ from strategy.config import parse_configs, print_settings_and_exit
 from strategy.config.fields import check_positive, doc
 from strategy.dist import first_line
 from strategy.errors import ConfigError, fail
+from strategy.model import saved_reward_scale
 
 OPENRLHF = {  # serve_rm's OpenRLHF 0.11 flags (and its 0.10 names): ours
     "--reward.model_name_or_path": "--reward_pretrain", "--reward.normalize_enable":
@@ -89,13 +90,8 @@ class Scorer:
         hf_logging.disable_progress_bar()  # its start is one line
         self.config, self.lock = config, threading.Lock()
         saved = self._loaded(AutoConfig.from_pretrained)  # checked before the weights load
-        self.mean, self.std = 0.0, 1.0
-        if config.normalize_reward:
-            mean, std = getattr(saved, "mean", None), getattr(saved, "std", None)
-            if mean is None or not std:
-                fail("normalize_reward", True, f"{config.reward_pretrain}/config.json holds no "
-                     "mean and std (OpenRLHF's reward models save them); drop the flag")
-            self.mean, self.std = float(mean), float(std)
+        self.mean, self.std = (saved_reward_scale(config.reward_pretrain, saved)
+                               if config.normalize_reward else (0.0, 1.0))
         self.tokenizer = self._loaded(AutoTokenizer.from_pretrained,
                                       use_fast=not config.disable_fast_tokenizer)
         self.model = self._loaded(AutoModelForSequenceClassification.from_pretrained,

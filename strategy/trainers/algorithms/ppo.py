@@ -81,6 +81,16 @@ def build_critic(run: Any, ppo: PPOConfig):
     return model
 
 
+def critic_scale(ppo: PPOConfig, saved: Any) -> tuple[float, float]:
+    """The (mean, std) PPO's critic values are scaled by, ``(value - mean) / std``: under
+    ``--normalize_reward`` those its start's config holds (a reward model's, as OpenRLHF's critic
+    scales them); (0, 1) otherwise, or where its config holds none."""
+    mean, std = getattr(saved, "mean", None), getattr(saved, "std", None)
+    if not ppo.normalize_reward or mean is None or not std:
+        return 0.0, 1.0
+    return float(mean), float(std)
+
+
 def check_critic(ppo: PPOConfig, model: ModelConfig, run: StrategyConfig) -> None:
     """The critic's own ZeRO settings are valid, and its start can carry a 1-label value head,
     before any process group starts.
@@ -183,7 +193,15 @@ class PPOTrainer(GRPOTrainer):
         critic_optimizer = own.create_optimizer(critic, lr=grpo.critic_learning_rate)
         schedule = own.create_scheduler(critic_optimizer,
                                         num_training_steps=max(self.total_steps(), 1))
+        self.value_scale = critic_scale(grpo, critic.config)
         self.critic = own.prepare((critic, critic_optimizer, schedule))
+
+    def values(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The critic's values of ``batch`` (``token_values``), scaled as ``value_scale`` says,
+        and the mask of scored tokens."""
+        values, mask = token_values(self.critic, batch)
+        mean, std = self.value_scale
+        return (values - mean) / std * mask, mask
 
     def trained_engines(self) -> dict[str, Any]:
         return {**super().trained_engines(), CRITIC: self.critic}
@@ -203,7 +221,7 @@ class PPOTrainer(GRPOTrainer):
         """
         with torch.no_grad():
             for b in batches:
-                b["old_values"] = token_values(self.critic, self.to_device(b))[0].cpu()
+                b["old_values"] = self.values(self.to_device(b))[0].cpu()
         rewards = torch.cat([b["rewards"] for b in batches])
         self.token_advantages(batches, rewards, self._gae)
 
@@ -222,7 +240,7 @@ class PPOTrainer(GRPOTrainer):
             ``({"model": policy loss, "critic": value loss}, metrics)``.
         """
         policy, metrics = super().compute_loss(batch)
-        values, mask = token_values(self.critic, batch)
+        values, mask = self.values(batch)
         mask = self.trained_mask(batch, mask)
         losses, value_metrics = value_token_losses(values, batch["old_values"], batch["returns"],
                                                    mask, self.grpo.value_clip)

@@ -32,6 +32,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from strategy.errors import DataError, fail
+from strategy.model import saved_reward_scale
 from strategy.rollout.remote_models import remote_group
 from strategy.trainers.algorithms.remote_reward import OpenRLHFReward, finite_number
 from strategy.trainers.losses import sequence_scores
@@ -200,8 +201,10 @@ class ModelReward:
 
     scores_eos = True
 
-    def __init__(self, engine, tokenizer, max_len: int) -> None:
+    def __init__(self, engine, tokenizer, max_len: int,
+                 scale: tuple[float, float] = (0.0, 1.0)) -> None:
         self.engine, self.tokenizer, self.max_len = engine, tokenizer, max_len
+        self.mean, self.std = scale  # --normalize_reward: (score - mean) / std
 
     def token_ids(self, prompt: str, completion: str, ended: bool) -> list[int]:
         """The ids the reward model trained on for this pair, their end kept under ``max_len``."""
@@ -215,8 +218,9 @@ class ModelReward:
                  ended: list[bool] | None = None) -> list[float]:
         ended = ended if ended is not None else [False] * len(prompts)
         ids = [self.token_ids(p, c, e) for p, c, e in zip(prompts, completions, ended)]
-        return ids_scores(self.engine.module, ids, self.tokenizer.pad_token_id,
-                          self.engine.device)
+        scores = ids_scores(self.engine.module, ids, self.tokenizer.pad_token_id,
+                            self.engine.device)
+        return [(score - self.mean) / self.std for score in scores]
 
 
 def ids_scores(model: Any, ids: list[list[int]], pad_token_id: int | None,
@@ -243,7 +247,9 @@ def model_reward(run: Any, grpo: Any) -> Any:
     model = run.strategy.from_pretrained(grpo.reward_pretrain, AutoModelForSequenceClassification,
                                          frozen=True)
     tokenizer = AutoTokenizer.from_pretrained(grpo.reward_pretrain)
-    return ModelReward(run.strategy.prepare(model), tokenizer, run.data.max_len)
+    scale = (saved_reward_scale(grpo.reward_pretrain, model.config) if grpo.normalize_reward
+             else (0.0, 1.0))
+    return ModelReward(run.strategy.prepare(model), tokenizer, run.data.max_len, scale)
 
 
 def build_rewards(run: Any, grpo: Any) -> Rewards:

@@ -3,11 +3,14 @@ distillation."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 
 from strategy.config.fields import check_positive, doc
 from strategy.errors import fail
+from strategy.model import saved_reward_scale
 from strategy.rollout import GATHER_MODES
 from strategy.trainers.config.common import check_sampling, positive
 
@@ -32,6 +35,12 @@ class GRPOConfig:
                                 "f.batched = True, f(prompts, completions, rows) -> floats)", None)
     reward_pretrain: str | None = doc("GRPO: reward model directory (AutoModelForSequence"
                                       "Classification, 1 label), alone or with --reward_fn", None)
+    normalize_reward: bool = doc("GRPO: the reward model's score as (score - mean) / std, with "
+                                 "the mean and std its config.json holds (OpenRLHF's reward "
+                                 "models save them; its --reward.normalize_enable); PPO's critic "
+                                 "values too, where its start's config.json holds them (as "
+                                 "OpenRLHF's critic). A remote reward is taken as it comes",
+                                 False)
     remote_rm_url: str | None = doc(
         "GRPO: OpenRLHF's reward source (its --reward.remote_url): a Python file defining "
         "reward_func(queries, prompts, labels) -> {'rewards', 'scores', 'extra_logs'}, or reward "
@@ -302,6 +311,16 @@ class GRPOConfig:
             fail("eval_temperature", self.eval_temperature, "held-out episodes are played "
                  "greedily here; use 0 with --agent_func_path or --tools")
 
+    def _check_normalize_reward(self) -> None:
+        """--normalize_reward needs a reward model whose config.json holds its scale (read here
+        where it is a local directory, before anything loads; a Hub id's at its load)."""
+        if not self.normalize_reward or self.reward_pretrain is None:
+            return
+        saved = os.path.join(self.reward_pretrain, "config.json")
+        if os.path.isfile(saved):
+            with open(saved) as f:
+                saved_reward_scale(self.reward_pretrain, json.load(f))
+
     def __post_init__(self) -> None:
         check_positive(self, "group_size", "ppo_epochs", "max_new_tokens")
         if self.rollout_batch_size is not None:
@@ -313,6 +332,7 @@ class GRPOConfig:
                  "--reward_pretrain RM_DIR or --remote_rm_url FILE.py|URL (or an environment: "
                  "--agent_func_path FILE)")
         self._check_agent()
+        self._check_normalize_reward()
         if self.reward_weights is not None:
             self.weights()
         if self.reward_timeout < 0:
