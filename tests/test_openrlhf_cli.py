@@ -112,20 +112,24 @@ def test_openrlhf_command_line_trains(ranks, hub, script):
     assert (saved / "config.json").is_file() or (saved / "adapter_config.json").is_file()
 
 
-def test_vllm_sync_backend_is_taken_when_it_names_this_devices_backend():
-    """``--vllm.sync_backend``: gloo is taken on a machine without CUDA (nccl on one with it),
-    leaving nothing behind in our flags; the other is one line naming the right one."""
+def test_vllm_sync_backend_is_taken_for_this_devices_backend():
+    """``--vllm.sync_backend``: on a machine without CUDA gloo, and a GPU script's nccl too (gloo
+    runs: the weight sync's backend is the device's), leaving nothing behind in our flags; on
+    CUDA nccl, and gloo is one line naming nccl."""
     import torch
 
     from strategy.cli.dotted import dotted_argv
     from strategy.errors import ConfigError
 
-    right, wrong = ("nccl", "gloo") if torch.cuda.is_available() else ("gloo", "nccl")
-    assert dotted_argv(["--vllm.sync_backend", right, "--seed", "3"], "grpo") == ["--seed", "3"]
-    assert dotted_argv([f"--vllm.sync_backend={right}"], "grpo") == []
-    with pytest.raises(ConfigError) as err:
-        dotted_argv(["--vllm.sync_backend", wrong], "grpo")
-    device = "CUDA" if torch.cuda.is_available() else "CPU"
-    assert str(err.value) == (f"--vllm.sync_backend {wrong} (OpenRLHF's) is invalid on this "
-                              f"machine: its {device} device uses {right} here; pass {right} or "
-                              "drop it")
+    taken = ["nccl"] if torch.cuda.is_available() else ["gloo", "nccl"]
+    for value in taken:
+        assert dotted_argv(["--vllm.sync_backend", value, "--seed", "3"], "grpo") == [
+            "--seed", "3"]
+        assert dotted_argv([f"--vllm.sync_backend={value}"], "grpo") == []
+    for wrong in {"gloo", "nccl", "mpi"} - set(taken):
+        with pytest.raises(ConfigError) as err:
+            dotted_argv(["--vllm.sync_backend", wrong], "grpo")
+        device = "CUDA" if torch.cuda.is_available() else "CPU"
+        assert str(err.value) == (f"--vllm.sync_backend {wrong} (OpenRLHF's) is invalid on this "
+                                  f"machine: its {device} device uses {taken[0]} here; pass "
+                                  f"{taken[0]} or drop it")

@@ -75,14 +75,15 @@ def _translate(name: str, template: tuple[str, ...], values: list[str],
 
 
 def _check_device_flag(name: str, value: str) -> None:
-    """``DEVICE_FLAGS``' value for this machine's device (CUDA or CPU), or one line."""
+    """A value ``DEVICE_FLAGS`` takes on this machine's device (CUDA or CPU), or one line."""
     import torch  # deferred: only when such a flag is given
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    right = DEVICE_FLAGS[name][device]
-    if value != right:
+    taken = DEVICE_FLAGS[name][device]
+    if value not in taken:
         raise ConfigError(f"--{name} {value} (OpenRLHF's) is invalid on this machine: its "
-                          f"{device.upper()} device uses {right} here; pass {right} or drop it")
+                          f"{device.upper()} device uses {taken[0]} here; pass {taken[0]} or "
+                          "drop it")
 
 
 def markdown_table() -> str:
@@ -101,9 +102,9 @@ def markdown_table() -> str:
         if flag in REFUSED:
             here = f"refused: {REFUSED[flag]}"
         elif flag in DEVICE_FLAGS:
-            here = "taken when it names the device's: " + ", ".join(
-                f"{value} on {device.upper()}" for device, value in DEVICE_FLAGS[flag].items()
-            ) + " (another: one line)"
+            here = "the device's: " + "; ".join(
+                f"{' or '.join(values)} on {device.upper()} ({values[0]} runs)"
+                for device, values in DEVICE_FLAGS[flag].items()) + " (another: one line)"
         else:
             here = "; ".join([_shown(DOTTED[flag]) + _mapped(flag), *per])
         rows.append(f"| `--{flag}` | {parsers} | {here.replace('|', '&#124;')} |")

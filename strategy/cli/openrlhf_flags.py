@@ -332,9 +332,10 @@ REFUSED: dict[str, str] = {
     "actor.freeze_visual_encoder": _VLM,
 }
 
-# flags whose one right value is the device's: taken when it is, one line otherwise
-DEVICE_FLAGS: dict[str, dict[str, str]] = {
-    "vllm.sync_backend": {"cuda": "nccl", "cpu": "gloo"},  # the weight sync's backend
+# flags whose value is the device's: each device's values taken (the first is what runs: a GPU
+# script's nccl on a machine without CUDA runs gloo), another one line
+DEVICE_FLAGS: dict[str, dict[str, tuple[str, ...]]] = {
+    "vllm.sync_backend": {"cuda": ("nccl",), "cpu": ("gloo", "nccl")},  # the weight sync's
 }
 
 PARSERS: dict[str, tuple[str, ...]] = {
