@@ -20,6 +20,7 @@ with more cores, ``cores / 2`` ops at a time.
 from __future__ import annotations
 
 import argparse
+import glob
 import logging
 import os
 import subprocess
@@ -28,12 +29,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from deepspeed.accelerator import get_accelerator
+from torch.utils.cpp_extension import get_default_build_root
 
 from strategy.log import get_logger
 
 DEFAULT = ("FusedAdamBuilder",)
 TESTS = ("FusedAdamBuilder", "ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
 SETS = {"default": DEFAULT, "tests": TESTS, "all": TESTS, "nvme": ("AsyncIOBuilder",)}
+STALE_S = 60.0  # a live build's lock is younger, or has ninja working in its folder
 log = get_logger("ops")
 _BUILD_ONE = ("import sys; from deepspeed.accelerator import get_accelerator; "
               "get_accelerator().create_op_builder(sys.argv[1]).load(verbose=False)")
@@ -67,11 +70,47 @@ def _build(name: str) -> tuple[str, float, str]:
     return op, seconds, tail[0] if tail else ""
 
 
+def stale_locks(ops: list[str], older_than: float = STALE_S) -> list[str]:
+    """The build locks of ``ops`` (torch's, in each op's build folder) that no build holds: the
+    lock is older than ``older_than`` seconds and no process works in its folder (ninja and the
+    compilers run there). A build killed part way leaves its lock, and torch then waits on it
+    forever, in this job and every later one on the machine."""
+    own = os.environ.get("TORCH_EXTENSIONS_DIR")  # as torch finds an op's folder
+    pattern = os.path.join(own, "{}") if own else os.path.join(get_default_build_root(), "*",
+                                                               "{}")
+    busy = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            busy.add(os.readlink(f"/proc/{pid}/cwd"))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    found = []
+    for op in ops:
+        for lock in glob.glob(os.path.join(pattern.format(op), "lock")):
+            folder = os.path.dirname(lock)
+            try:
+                age = time.time() - os.stat(lock).st_mtime
+            except FileNotFoundError:  # its build ended meanwhile
+                continue
+            if age > older_than and not any(cwd == folder or cwd.startswith(folder + os.sep)
+                                            for cwd in busy):
+                found.append(lock)
+    return found
+
+
+def remove_stale_locks(ops: list[str]) -> None:
+    """Remove ``stale_locks(ops)``, a line each."""
+    for lock in stale_locks(ops):
+        log.warning("removed %s: a build killed part way left it (no process builds there)", lock)
+        os.unlink(lock)
+
+
 def build_ops(which: str = "tests", jobs: int = 1,
               skip: tuple[str, ...] = ()) -> list[tuple[str, float, str]]:
     """Build the ``which`` set but ``skip``'s builders, ``jobs`` ops at a time; (op, seconds,
-    error or "") per op."""
+    error or "") per op. A lock a killed build left is removed first (``stale_locks``)."""
     names = buildable(tuple(name for name in SETS[which] if name not in skip))
+    remove_stale_locks([get_accelerator().create_op_builder(name).NAME for name in names])
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return list(pool.map(_build, names))
 

@@ -176,3 +176,31 @@ def test_ci_exits_with_the_tests_status_whatever_its_cleanup_finds(tmp_path):
         script.write_text(f"{strict}\naio_log=$(mktemp)\n{trap}\nsleep 0 &\naio=$!\n"
                           f"wait \"$aio\" || true\nexit {status}\n")
         assert subprocess.run(["bash", str(script)], timeout=30).returncode == status
+
+
+def test_a_lock_a_killed_op_build_left_is_removed_and_a_live_builds_is_kept(tmp_path,
+                                                                             monkeypatch):
+    """``python -m strategy.ops`` (CI's setup, the main job's) removes an op's build lock that a
+    killed build left (torch then waits on it forever: every later job that loads the op hangs);
+    a lock with a process working in its folder (ninja's), or a young one, stays."""
+    from strategy import ops
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    locks = {}
+    for op in ("fused_adam", "cpu_adam", "async_io"):
+        (tmp_path / op).mkdir()
+        locks[op] = tmp_path / op / "lock"
+        locks[op].touch()
+    old = time.time() - 10 * ops.STALE_S
+    for op in ("fused_adam", "cpu_adam"):  # async_io's: just taken
+        os.utime(locks[op], (old, old))
+    builder = subprocess.Popen(["sleep", "60"], cwd=tmp_path / "cpu_adam")  # a build at work
+    try:
+        assert ops.stale_locks(["fused_adam", "cpu_adam", "async_io", "pin_memory"]) == [
+            str(locks["fused_adam"])]
+        ops.remove_stale_locks(["fused_adam", "cpu_adam", "async_io"])
+    finally:
+        builder.kill()
+        builder.wait()
+    assert [op for op, lock in locks.items() if lock.exists()] == ["cpu_adam", "async_io"]
+
