@@ -63,7 +63,8 @@ def one_round(folder: str, log: str) -> dict:
             "exit": proc.returncode, "slowest": slowest}
 
 
-def run(args) -> list[dict]:
+def run(args, each=None) -> list[dict]:
+    """The rounds' figures; ``each(rounds so far)`` after every round."""
     os.makedirs(args.out, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="bench-ci-") if args.clone else None
     folder = REPO
@@ -75,6 +76,8 @@ def run(args) -> list[dict]:
         for rnd in range(args.rounds):
             rounds.append(one_round(folder, os.path.join(args.out, f"round{rnd + 1}.log")))
             print(f"round {rnd + 1}: {rounds[-1]}", flush=True)
+            if each is not None:
+                each(rounds)
         return rounds
     finally:
         if scratch:
@@ -144,16 +147,19 @@ def main() -> None:
     commit = commit_measured(REPO)
     if args.clone:  # the clone holds HEAD as committed
         commit = commit.removesuffix("+changes")
-    rounds = run(args)
     command = "python benchmarks/bench_ci.py " + " ".join(sys.argv[1:])
-    rows = []
-    for name, part in (("first", rounds[:1]), ("again", rounds[1:])):
-        for key in [k for k in (part[0] if part else {}) if k != "slowest"]:
-            rows.append(row(f"ci.{name}.{key}", [r[key] for r in part], "s" if key.endswith(
-                "_s") else "", command, commit))
-    for test, seconds in rounds[-1]["slowest"].items():  # the last round's
-        rows.append(row(f"ci.slowest.{test}", [seconds], "s", command, commit))
-    write_rows(args.results, rows)
+
+    def written(rounds: list[dict]) -> None:  # after each round: a stopped run keeps its rounds
+        rows = []
+        for name, part in (("first", rounds[:1]), ("again", rounds[1:])):
+            for key in [k for k in (part[0] if part else {}) if k != "slowest"]:
+                rows.append(row(f"ci.{name}.{key}", [r[key] for r in part], "s" if key.endswith(
+                    "_s") else "", command, commit))
+        for test, seconds in rounds[-1]["slowest"].items():  # the last round's
+            rows.append(row(f"ci.slowest.{test}", [seconds], "s", command, commit))
+        write_rows(args.results, rows)
+
+    rounds = run(args, written)
     sys.exit(max(r["exit"] for r in rounds))
 
 

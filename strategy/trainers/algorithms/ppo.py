@@ -197,8 +197,16 @@ class PPOTrainer(GRPOTrainer):
         self.critic = own.prepare((critic, critic_optimizer, schedule))
 
     def values(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The critic's values of ``batch`` (``token_values``), scaled as ``value_scale`` says,
-        and the mask of scored tokens."""
+        """The critic's values of a batch, scaled as ``value_scale`` says (``--normalize_reward``
+        with a start whose config.json holds a mean and std: ``(value - mean) / std``).
+
+        Args:
+            batch: a rollout micro-batch on the device.
+
+        Returns:
+            ``(values, mask)``: each scored token's value (0 elsewhere), and the mask of scored
+            tokens (``token_values``' layout).
+        """
         values, mask = token_values(self.critic, batch)
         mean, std = self.value_scale
         return (values - mean) / std * mask, mask
