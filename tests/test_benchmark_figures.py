@@ -26,6 +26,10 @@ PAGES = [  # (results file, page, the block's first line, the script, what rende
     ("default", "README.md",
      "<!-- bench_default: python benchmarks/bench_default.py --readme -->", "bench_default",
      "readme"),
+    ("ci", "README.md", "<!-- bench_ci: python benchmarks/bench_ci.py --readme -->", "bench_ci",
+     "readme"),
+    ("ci", "docs/ci.md", "<!-- bench_ci: python benchmarks/bench_ci.py --docs -->", "bench_ci",
+     "docs"),
 ]
 
 
