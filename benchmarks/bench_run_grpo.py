@@ -58,7 +58,8 @@ def readme(rows: list[dict]) -> str:
             f"after the short SFT ({span(by['run_grpo.sft_s'], '.0f')} s), "
             f"{span(by['run_grpo.grpo_accuracy'], '.1f')}% after GRPO "
             f"({span(by['run_grpo.grpo_s'], '.0f')} s for the GRPO launch on 2 CPU ranks); "
-            f"{first['rounds']} runs, {first['date']}, {first['commit']}, {first['machine']}, "
+            f"{first['rounds']} run{'s' * (first['rounds'] != 1)}, {first['date']}, "
+            f"{first['commit']}, {first['machine']}, "
             f"`{first['command']}` (PPO and REINFORCE++: [Online RL](docs/online-rl.md)).")
     return paragraph(text)
 

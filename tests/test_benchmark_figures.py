@@ -30,6 +30,9 @@ PAGES = [  # (results file, page, the block's first line, the script, what rende
      "readme"),
     ("ci", "docs/ci.md", "<!-- bench_ci: python benchmarks/bench_ci.py --docs -->", "bench_ci",
      "docs"),
+    ("run_grpo", "README.md",
+     "<!-- bench_run_grpo: python benchmarks/bench_run_grpo.py --readme -->", "bench_run_grpo",
+     "readme"),
 ]
 
 
