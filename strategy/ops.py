@@ -76,26 +76,26 @@ def stale_locks(ops: list[str], older_than: float = STALE_S) -> list[str]:
     compilers run there). A build killed part way leaves its lock, and torch then waits on it
     forever, in this job and every later one on the machine."""
     own = os.environ.get("TORCH_EXTENSIONS_DIR")  # as torch finds an op's folder
-    pattern = os.path.join(own, "{}") if own else os.path.join(get_default_build_root(), "*",
-                                                               "{}")
-    busy = set()
+    roots = [own] if own else glob.glob(os.path.join(glob.escape(get_default_build_root()), "*"))
+    now = time.time()
+    old = []
+    for lock in (os.path.join(root, op, "lock") for root in roots for op in ops):
+        try:
+            if now - os.stat(lock).st_mtime > older_than:
+                old.append(lock)
+        except OSError:  # no build there, or it ended meanwhile
+            continue
+    if not old:
+        return []
+    busy = set()  # where processes work (ninja's folder), read only when a lock is old
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             busy.add(os.readlink(f"/proc/{pid}/cwd"))
         except OSError:  # gone meanwhile, or not ours to read
             continue
-    found = []
-    for op in ops:
-        for lock in glob.glob(os.path.join(pattern.format(op), "lock")):
-            folder = os.path.dirname(lock)
-            try:
-                age = time.time() - os.stat(lock).st_mtime
-            except FileNotFoundError:  # its build ended meanwhile
-                continue
-            if age > older_than and not any(cwd == folder or cwd.startswith(folder + os.sep)
-                                            for cwd in busy):
-                found.append(lock)
-    return found
+    return [lock for lock in old if not any(
+        cwd == os.path.dirname(lock) or cwd.startswith(os.path.dirname(lock) + os.sep)
+        for cwd in busy)]
 
 
 def remove_stale_locks(ops: list[str]) -> None:

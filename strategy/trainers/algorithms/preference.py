@@ -99,7 +99,6 @@ def reference_model(run: Any, model):
     Raises:
         ConfigError: from ``--model_config`` under ZeRO-3 or LoRA.
     """
-
     remote = remote_group("ref")
     if remote is not None:
         return remote

@@ -240,7 +240,6 @@ def model_reward(run: Any, grpo: Any) -> Any:
     """The reward model (``--reward_pretrain``) as an eval engine of ``run``'s strategy
     (``ModelReward``); in a Ray job whose reward model has a group of its own, that group
     (``strategy.rollout.remote_models.RemoteReward``, called alike)."""
-
     remote = remote_group("reward")
     if remote is not None:
         return remote
