@@ -76,9 +76,15 @@ def test_engines_apart_from_training_are_a_ray_jobs_alone(ray, engines, message,
     ({"ref_num_gpus_per_node": 1, "colocate_actor_ref": True}, {},
      "ref_num_gpus_per_node=1 is invalid: the reference runs inside the actor group's ranks "
      "(--colocate_actor_ref or --colocate_all): give the actor's 2 or drop it"),
-    ({"critic_num_gpus_per_node": 1}, {},
-     "critic_num_gpus_per_node=1 is invalid: the critic runs inside the actor group's ranks (a "
-     "group of its own is not supported yet): give the actor's 2 or drop it"),
+    ({"critic_num_gpus_per_node": 2}, {"ppo": True}, ("critic",)),  # PPO's critic, trained
+    ({"critic_num_gpus_per_node": 2, "ref_num_gpus_per_node": 1}, {"ppo": True},
+     ("ref", "critic")),
+    ({"critic_num_gpus_per_node": 2}, {}, ()),  # GRPO: no critic to place
+    ({"critic_num_gpus_per_node": 2, "colocate_critic_reward": True}, {"ppo": True}, ()),
+    ({"critic_num_gpus_per_node": 1}, {"ppo": True},
+     "critic_num_gpus_per_node=1 is invalid: a critic group of its own trains on actor rank "
+     "i's micro-batches at its rank i, so it has the actor group's 2 ranks (it has 1); give "
+     "nodes x devices per node = 2, or pass --colocate_critic_reward"),
     ({"ref_num_gpus_per_node": 1}, {"model_config": "config.json"},
      "ref_num_gpus_per_node=1 is invalid without --pretrain or --ref_pretrain: a reference "
      "group of its own loads its weights; pass one, or --colocate_actor_ref"),
@@ -91,14 +97,15 @@ def test_model_groups_of_their_own_are_placed_as_openrlhf_places_them_or_refused
     """``--ref_num_nodes``/``--ref_num_gpus_per_node`` without ``--colocate_actor_ref`` (or
     ``--colocate_all``) is a reference group of its own, as in OpenRLHF, when a KL asks for a
     reference; ``--reward_*`` without ``--colocate_critic_reward`` a reward group of its own
-    for ``--reward_pretrain``. A group's size must divide the actor group's, and what it cannot
+    for ``--reward_pretrain``; ``--critic_*`` without it a critic group of its own for PPO. A
+    frozen group's size must divide the actor group's (a critic's equal it), and what it cannot
     take (no checkpoint to load, sequence or tensor parallelism) is one line before anything
     starts."""
     from strategy.cluster.settings import model_groups
     from strategy.config import StrategyConfig
     from strategy.config.cluster import ClusterConfig
     from strategy.errors import ConfigError
-    from strategy.trainers import GRPOConfig
+    from strategy.trainers import GRPOConfig, PPOConfig
     from strategy.trainers.config import ModelConfig
 
     def by_type():
@@ -107,7 +114,8 @@ def test_model_groups_of_their_own_are_placed_as_openrlhf_places_them_or_refused
         rewards = {"reward_pretrain": other["reward_pretrain"]} if "reward_pretrain" in other \
             else {"reward_fn": "m:f"}
         return {ClusterConfig: ClusterConfig(**{"actor_num_gpus_per_node": 2, **cluster_kw}),
-                GRPOConfig: GRPOConfig(kl_coef=other.get("kl_coef", 0.01), **rewards),
+                GRPOConfig: (PPOConfig if other.get("ppo") else GRPOConfig)(
+                    kl_coef=other.get("kl_coef", 0.01), **rewards),
                 ModelConfig: ModelConfig(**model), StrategyConfig: StrategyConfig(
                     sequence_parallel_size=other.get("sequence_parallel_size", 1))}
 
@@ -445,6 +453,68 @@ def test_a_reward_model_group_of_its_own_scores_as_the_torchrun_ranks_do(cluster
     a, b = (load_file(toy / n / "model" / "model.safetensors") for n in ("ray_rm", "torchrun_rm"))
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
+
+
+@needs_ray
+@pytest.mark.slow
+def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(cluster, toy):
+    """PPO (``--algo.advantage.estimator gae``) with ``--critic.num_gpus_per_node 2``: the
+    critic in a Ray group of its own (2 ranks, on the node the actor group is not on), at its
+    own ZeRO stage (2, the actor's 3), trained there on the gradient the actor ranks send back,
+    gives the torchrun path's per-step policy and value losses, values, grad norms and both
+    exports (policy and ``--save_value_network``'s critic) to 1e-6. The critic group wrote its
+    checkpoint beside the policy's (``<ckpt_path>_critic``, same tag), and a second job resumes
+    from both: the critic it exports is the one it loaded, not its start."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.support.helpers import run_job, torchrun_command
+
+    settings = {"vllm_num_engines": None, "rollout_engine": "hf", "vllm_enforce_eager": None,
+                "vllm_timeout": None, "critic_pretrain": f"{toy}/rm", "critic_zero_stage": 2,
+                "critic_learning_rate": 5e-3, "group_size": 2, "save_value_network": True,
+                "max_steps": 2, "save_steps": 2}
+    args = ["--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
+            "--algo.advantage.estimator", "gae"]
+    job = _ray_job(cluster, [*args, *_flags(toy, "ray_ppo", **settings)])
+    assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
+    where = json.loads((toy / "ray_ppo" / "logs" / "placement.json").read_text())
+    assert [r["rank"] for r in where["critic"]] == [0, 1]
+    critic_nodes = {r["node_id"] for r in where["critic"]}
+    assert len(critic_nodes) == 1 and critic_nodes.isdisjoint(r["node_id"] for r in where["actor"])
+    assert (toy / "ray_ppo" / "ckpt_critic" / "global_step2").is_dir()
+    ref = run_job(torchrun_command("-m", "strategy.cli.train_ppo",
+                                   *_flags(toy, "torchrun_ppo", **settings)), timeout=400)
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
+    ray_rows, ref_rows = _history(toy, "ray_ppo"), _history(toy, "torchrun_ppo")
+    assert [r["step"] for r in ray_rows] == [r["step"] for r in ref_rows] == [1, 2]
+    for ours, theirs in zip(ray_rows, ref_rows):
+        for key in ("train/loss", "train/critic_loss", "train/values", "train/reward",
+                    "train/kl", "train/grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], abs=1e-6), (ours["step"], key)
+    assert ray_rows[0]["train/critic_loss"] != ray_rows[1]["train/critic_loss"]
+    trained = {}
+    for part in ("model", "model_critic"):
+        a, b = (load_file(toy / n / part / "model.safetensors")
+                for n in ("ray_ppo", "torchrun_ppo"))
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
+        trained[part] = a
+    start = load_file(toy / "rm" / "model.safetensors")
+    assert any(not torch.equal(start[k], v) for k, v in trained["model_critic"].items()
+               if k in start)  # the critic trained
+    # the resume: from another critic start (the reward model's weights moved), so the critic it
+    # exports is the checkpoint's only if its group loaded it (max_steps reached: no step taken)
+    other = {key: value + 0.25 for key, value in start.items()}
+    shutil.copytree(toy / "rm", toy / "rm_moved")
+    save_file(other, toy / "rm_moved" / "model.safetensors", metadata={"format": "pt"})
+    shutil.rmtree(toy / "ray_ppo" / "model_critic")
+    again = _ray_job(cluster, [*args, *_flags(toy, "ray_ppo", **{
+        **settings, "critic_pretrain": f"{toy}/rm_moved", "load_checkpoint": True})])
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    resumed = load_file(toy / "ray_ppo" / "model_critic" / "model.safetensors")
+    for key, value in trained["model_critic"].items():
+        torch.testing.assert_close(resumed[key], value, atol=0, rtol=0)
 
 
 @needs_ray

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 DOTTED: dict[str, tuple[str, ...]] = {
     # ---- Ray placement (strategy.cluster; --ray is set by train_ppo_ray): the reference,
-    # critic and reward model run inside the actor group's ranks, so their placement must be
-    # the actor's (or left out), and both colocate flags are what is always done here
+    # critic and reward model each in a group of its own when its size is given and it is not
+    # colocated, else inside the actor group's ranks
     "actor.num_nodes": ("--actor_num_nodes", "{}"),
     "actor.num_gpus_per_node": ("--actor_num_gpus_per_node", "{}"),
     "ref.num_nodes": ("--ref_num_nodes", "{}"),

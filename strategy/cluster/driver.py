@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from strategy.cluster.model_group import FrozenRank, RayRank
+from strategy.cluster.model_group import CriticRank, FrozenRank, RayRank
 from strategy.cluster.placement import (
     actor_share,
     check_fits,
@@ -69,7 +69,7 @@ class Job:
         self.groups: list[Any] = []
         self.engines: list[Any] = []
         self.ranks: list[Any] = []
-        self.frozen: dict[str, list[Any]] = {group: [] for group in self.model_groups}
+        self.members: dict[str, list[Any]] = {group: [] for group in self.model_groups}
         self.where: dict[str, list[dict]] = {"actor": [], "vllm_engines": [],
                                              **{group: [] for group in self.model_groups}}
 
@@ -123,26 +123,26 @@ class Job:
             entry.update(where)
 
     def _start_group(self, group: str, bundles: list[dict]) -> None:
-        """A frozen model's group of its own: its placement group and ranks (not yet loaded)."""
+        """A model's group of its own: its placement group and ranks (not yet loaded)."""
         name = GROUP_NAMES[group]
         placed = reserve(self.ray, bundles, "PACK", self.cluster.ray_timeout, name)
         self.groups.append(placed)
-        remote = self.ray.remote(FrozenRank)
+        remote = self.ray.remote(CriticRank if group == "critic" else FrozenRank)
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         for rank, (bundle, _, _) in enumerate(ordered_bundles(self.ray, placed)):
             actor = f"{group}-{rank}"
-            self.frozen[group].append(remote.options(
+            self.members[group].append(remote.options(
                 name=actor, namespace=self.namespace, max_concurrency=1,
                 **self._options(placed, bundle, bundles[0], 1.0, env)).remote())
             self.where[group].append({"rank": rank, "name": actor, "bundle": bundle,
                                       "placement_group": placed.id.hex()})
         for entry, where in zip(self.where[group], self._get(
-                [r.where.remote() for r in self.frozen[group]], name, "start")):
+                [r.where.remote() for r in self.members[group]], name, "start")):
             entry.update(where)
 
     def _load_group(self, group: str) -> None:
         """A group's ranks load its model (their own rendezvous), within ``--ray_timeout``."""
-        name, ranks, places = GROUP_NAMES[group], self.frozen[group], self.where[group]
+        name, ranks, places = GROUP_NAMES[group], self.members[group], self.where[group]
         master = self._get([ranks[0].rendezvous.remote()], name, "start")[0]
         refs = {rank.start.remote(group, self.command, self.argv,
                                   group_env(places, r, master), os.getcwd()): r
@@ -176,11 +176,11 @@ class Job:
     # ------------------------------------------------------------ the run
     def rank_env(self, rank: int, master: tuple[str, int]) -> dict[str, str]:
         env = group_env(self.where["actor"], rank, master)
-        if self.frozen:
+        if self.members:
             env[GROUPS_VAR] = json.dumps({
                 "namespace": self.namespace, "timeout": self.cluster.ray_timeout,
                 "ranks": {group: [{k: p[k] for k in ("rank", "name", "ip", "node_id")}
-                                  for p in self.where[group]] for group in self.frozen}})
+                                  for p in self.where[group]] for group in self.members}})
         if self.engines:
             env[ENGINES_VAR] = json.dumps({"namespace": self.namespace, "names": [
                 e["name"] for e in self.where["vllm_engines"]]})
@@ -188,7 +188,7 @@ class Job:
 
     def run(self) -> Any:
         self.write_placement()
-        for group in self.frozen:
+        for group in self.members:
             self._load_group(group)
         master = self._get([self.ranks[0].rendezvous.remote()], "actor group", "start")[0]
         refs = {self.ranks[r].run.remote(self.command, self.argv, self.rank_env(r, master),
@@ -269,8 +269,8 @@ class Job:
             refs = [engine.shutdown.remote() for engine in self.engines]
             ray.wait(refs, num_returns=len(refs),
                      timeout=min(SHUTDOWN_S, self.rollout.vllm_timeout))
-        frozen = [rank for ranks in self.frozen.values() for rank in ranks]
-        for handle in self.ranks + frozen + self.engines:
+        members = [rank for ranks in self.members.values() for rank in ranks]
+        for handle in self.ranks + members + self.engines:
             try:
                 ray.kill(handle)
             except Exception:  # noqa: BLE001 - already gone
@@ -281,7 +281,7 @@ class Job:
                 remove_placement_group(group)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        self.engines, self.ranks, self.frozen, self.groups = [], [], {}, []
+        self.engines, self.ranks, self.members, self.groups = [], [], {}, []
 
 
 def local_resources(by_type: dict, temp_dir: str) -> dict:

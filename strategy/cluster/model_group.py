@@ -1,10 +1,11 @@
-"""Frozen models in Ray groups of their own, as OpenRLHF places them: the reference
-(``--ref_num_nodes``/``--ref_num_gpus_per_node`` without ``--colocate_actor_ref``) and the reward
+"""Model groups of their own on Ray, as OpenRLHF places them: the reference
+(``--ref_num_nodes``/``--ref_num_gpus_per_node`` without ``--colocate_actor_ref``), the reward
 model (``--reward_num_nodes``/``--reward_num_gpus_per_node`` without
-``--colocate_critic_reward``). Each rank is a Ray actor running our ``DeepSpeedStrategy`` with the
-model as an eval engine on a device of its own, the group's rendezvous its own; actor rank ``i``
-asks rank ``i mod size`` (the reference: each micro-batch's log-probs; the reward model: each
-completion's score).
+``--colocate_critic_reward``), frozen, and PPO's critic (``--critic_num_nodes``/
+``--critic_num_gpus_per_node``, as the reward model), trained. Each rank is a Ray actor running
+our ``DeepSpeedStrategy`` on a device of its own, the group's rendezvous its own. Actor rank ``i``
+asks frozen rank ``i mod size`` (the reference: each micro-batch's log-probs; the reward model:
+each completion's score) and critic rank ``i`` (the critic group is the actor group's size).
 
 Each rank takes one call at a time and is asked as often as every other (the group's size divides
 the actor group's), so the ranks' ZeRO-3 gathers pair up as a launcher's ranks' would.
@@ -39,6 +40,35 @@ class RayRank:
         return ray.util.get_node_ip_address(), free_port()
 
 
+def group_run(command: str, argv: list[str], env: dict[str, str], cwd: str) -> tuple[Any, Any]:
+    """A group rank's ``Run`` (its strategy started on this group's ranks, the tokenizer loaded)
+    and the trainer's config, from the job's settings checked as the actor group checks them."""
+    from strategy.checkpoint import CheckpointConfig  # heavy: a Ray job's start only
+    from strategy.cluster.settings import configs  # as above
+    from strategy.config import StrategyConfig  # as above
+    from strategy.deepspeed_strategy import DeepSpeedStrategy  # as above
+    from strategy.optim import OptimConfig  # as above
+    from strategy.trainers.config import (  # as above
+        DataConfig,
+        LoraConfig,
+        ModelConfig,
+        TrainConfig,
+    )
+    from strategy.trainers.run import Run, load_tokenizer  # as above
+
+    if os.path.isdir(cwd):  # the driver's folder, where this node sees it (relative paths)
+        os.chdir(cwd)
+    by_type = configs(command, argv)
+    os.environ.update(env)
+    strategy = DeepSpeedStrategy(by_type[StrategyConfig], by_type[OptimConfig],
+                                 by_type[CheckpointConfig])
+    strategy.setup_distributed()
+    run = Run(strategy, model_cfg=by_type[ModelConfig], train=by_type[TrainConfig],
+              data=by_type[DataConfig], lora=by_type[LoraConfig], configs=by_type)
+    run.tokenizer = load_tokenizer(run.model_cfg)
+    return run, next(c for c in by_type.values() if hasattr(c, "kl_coef"))
+
+
 class FrozenRank(RayRank):
     """One rank of a reference or reward group, in a Ray actor (made remote by the driver)."""
 
@@ -50,34 +80,12 @@ class FrozenRank(RayRank):
               cwd: str) -> None:
         """The strategy (this group's ranks only) and the frozen model, loaded as the actor
         group's ranks would load it, from the job's settings checked as they check them."""
-        from strategy.checkpoint import CheckpointConfig  # heavy: a Ray job's start only
-        from strategy.cluster.settings import configs  # as above
-        from strategy.config import StrategyConfig  # as above
-        from strategy.deepspeed_strategy import DeepSpeedStrategy  # as above
-        from strategy.optim import OptimConfig  # as above
-        from strategy.trainers.algorithms.preference import reference_model  # as above
+        from strategy.trainers.algorithms.preference import reference_model  # heavy: a start
         from strategy.trainers.algorithms.rewards import model_reward  # as above
-        from strategy.trainers.config import (  # as above
-            DataConfig,
-            LoraConfig,
-            ModelConfig,
-            TrainConfig,
-        )
-        from strategy.trainers.run import Run, load_tokenizer  # as above
 
-        if os.path.isdir(cwd):  # the driver's folder, where this node sees it (relative paths)
-            os.chdir(cwd)
-        by_type = configs(command, argv)
-        os.environ.update(env)
-        strategy = DeepSpeedStrategy(by_type[StrategyConfig], by_type[OptimConfig],
-                                     by_type[CheckpointConfig])
-        strategy.setup_distributed()
-        run = Run(strategy, model_cfg=by_type[ModelConfig], train=by_type[TrainConfig],
-                  data=by_type[DataConfig], lora=by_type[LoraConfig], configs=by_type)
-        run.tokenizer = load_tokenizer(run.model_cfg)
-        trainer = next(c for c in by_type.values() if hasattr(c, "kl_coef"))
+        run, trainer = group_run(command, argv, env, cwd)
         if kind == "ref":
-            self.model = strategy.prepare(reference_model(run, None))
+            self.model = run.strategy.prepare(reference_model(run, None))
             self.temperature = trainer.temperature
         else:
             self.model = model_reward(run, trainer)
@@ -95,3 +103,72 @@ class FrozenRank(RayRank):
                ended: list[bool] | None) -> list[float]:
         """The reward model's score of each prompt + completion (``ModelReward``)."""
         return self.model(prompts, completions, [], ended)
+
+
+class CriticRank(RayRank):
+    """One rank of PPO's critic group (``--critic_num_nodes``/``--critic_num_gpus_per_node``
+    without ``--colocate_critic_reward``), in a Ray actor: the critic engine at its own ZeRO
+    stage, trained on actor rank ``i``'s micro-batches at its rank ``i``. The actor rank computes
+    the value loss on the values this rank sends and sends back its gradient with respect to
+    them; this rank backpropagates it through the critic (the chain rule: the same gradient as
+    the loss taken here) and steps at DeepSpeed's accumulation boundary."""
+
+    def __init__(self) -> None:
+        self.run: Any = None
+        self.ppo: Any = None
+        self.engine: Any = None
+        self.pending: torch.Tensor | None = None  # the values of the forward awaiting backward
+
+    def start(self, kind: str, command: str, argv: list[str], env: dict[str, str],
+              cwd: str) -> None:
+        """The strategy (this group's ranks only) and the critic, built as the actor group's
+        ranks would build it (``build_critic``), not yet an engine (``prepare``)."""
+        from strategy.trainers.algorithms.ppo import build_critic  # heavy: a start only
+
+        self.run, self.ppo = group_run(command, argv, env, cwd)
+        self.engine = build_critic(self.run, self.ppo)
+
+    def prepare(self, total_steps: int) -> tuple[float, float]:
+        """The critic's optimizer and schedule over ``total_steps`` (the actor's), and its
+        engine; the (mean, std) its values are scaled by (``critic_scale``)."""
+        from strategy.trainers.algorithms.ppo import critic_scale, critic_strategy  # as start
+
+        own = critic_strategy(self.run.strategy, self.ppo)
+        optimizer = own.create_optimizer(self.engine, lr=self.ppo.critic_learning_rate)
+        schedule = own.create_scheduler(optimizer, num_training_steps=max(total_steps, 1))
+        scale = critic_scale(self.ppo, self.engine.config)
+        self.engine = own.prepare((self.engine, optimizer, schedule))
+        return scale
+
+    def values(self, batch: dict, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``token_values`` of ``batch`` (their mask too); with ``grad`` the graph is kept for
+        ``backward``."""
+        from strategy.trainers.losses import token_values  # as ``start``
+
+        device = torch.device(self.engine.device)
+        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        with torch.set_grad_enabled(grad):
+            values, mask = token_values(self.engine, moved)
+        self.pending = values if grad else None
+        return values.detach().cpu(), mask.cpu()
+
+    def backward(self, grad: torch.Tensor) -> None:
+        """Backpropagate ``grad`` (the loss's gradient with respect to the last values sent)
+        through the critic, and step it (at the accumulation boundary, as DeepSpeed counts)."""
+        values, self.pending = self.pending, None
+        surrogate = (values * grad.to(values.device)).sum()  # d surrogate / d values = grad
+        self.run.strategy.backward(surrogate, self.engine)
+        self.run.strategy.optimizer_step(self.engine)
+
+    def save_ckpt(self, save_dir: str, tag: str, metric: float | None) -> None:
+        """The critic's resume checkpoint (collective over the group; its rank 0 writes)."""
+        self.run.strategy.save_ckpt(self.engine, save_dir=save_dir, tag=tag, metric=metric)
+
+    def load_ckpt(self, load_dir: str, tag: str) -> None:
+        """The critic's state from its checkpoint ``tag`` (collective over the group)."""
+        self.run.strategy.load_ckpt(self.engine, load_dir, tag=tag)
+
+    def save_model(self, path: str, max_shard_size: int | str) -> None:
+        """The critic exported as a Hugging Face directory (collective; rank 0 writes)."""
+        self.run.strategy.save_model(self.engine, self.run.tokenizer, path,
+                                     max_shard_size=max_shard_size)

@@ -9,7 +9,7 @@ from strategy.config import StrategyConfig
 from strategy.config.cluster import COLOCATE, ClusterConfig
 from strategy.errors import ConfigError
 from strategy.rollout.remote_models import GROUP_NAMES
-from strategy.trainers.config import ModelConfig
+from strategy.trainers.config import ModelConfig, PPOConfig
 
 
 def configs(command: str, argv: list[str]) -> dict:
@@ -43,13 +43,14 @@ def configs(command: str, argv: list[str]) -> dict:
 
 
 def model_groups(by_type: dict) -> tuple[str, ...]:
-    """The job's frozen models placed in Ray groups of their own (``ref`` when a KL asks for a
-    reference, ``reward`` for ``--reward_pretrain``), checked: one line, before anything starts,
-    for what such a group cannot take."""
+    """The job's models placed in Ray groups of their own (``ref`` when a KL asks for a
+    reference, ``critic`` for PPO, ``reward`` for ``--reward_pretrain``), checked: one line,
+    before anything starts, for what such a group cannot take."""
     cluster, model = by_type[ClusterConfig], by_type[ModelConfig]
     trainer = next(c for c in by_type.values() if hasattr(c, "kl_coef"))
-    wanted = {"ref": trainer.kl_coef > 0, "reward": bool(trainer.reward_pretrain)}
-    groups = tuple(g for g in ("ref", "reward") if wanted[g] and cluster.apart(g))
+    wanted = {"ref": trainer.kl_coef > 0, "critic": isinstance(trainer, PPOConfig),
+              "reward": bool(trainer.reward_pretrain)}
+    groups = tuple(g for g in ("ref", "critic", "reward") if wanted[g] and cluster.apart(g))
     for group in groups:
         flag = f"{group}_num_gpus_per_node"
         if getattr(cluster, flag) is None:

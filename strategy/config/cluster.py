@@ -12,7 +12,8 @@ from strategy.errors import fail
 RAY_TRAINERS = ("grpo", "ppo")
 COLOCATE = {  # a group's name, colocation flag, and when it runs inside the actor's ranks
     "ref": ("reference", "--colocate_actor_ref", "--colocate_actor_ref or --colocate_all"),
-    "critic": ("critic", "", "a group of its own is not supported yet"),
+    "critic": ("critic", "--colocate_critic_reward",
+               "--colocate_critic_reward or --colocate_all"),
     "reward": ("reward model", "--colocate_critic_reward",
                "--colocate_critic_reward or --colocate_all"),
 }
@@ -51,10 +52,13 @@ class ClusterConfig:
         "given); its size must divide the actor group's: actor rank i asks its rank i mod size",
         None, trainers=RAY_TRAINERS)
     critic_num_nodes: int | None = doc(
-        "Ray: the critic's nodes (PPO); it runs inside the actor group's ranks here (as "
-        "ref_num_nodes)", None, trainers=RAY_TRAINERS)
+        "Ray: PPO's critic's nodes (1 if only critic_num_gpus_per_node is given); given, the "
+        "critic trains in a group of its own unless --colocate_critic_reward or "
+        "--colocate_all; none: inside the actor group's ranks", None, trainers=RAY_TRAINERS)
     critic_num_gpus_per_node: int | None = doc(
-        "Ray: the critic's devices per node (as critic_num_nodes)", None, trainers=RAY_TRAINERS)
+        "Ray: the critic group's ranks (devices) per node (1 if only critic_num_nodes is "
+        "given); its size must be the actor group's: actor rank i trains on critic rank i",
+        None, trainers=RAY_TRAINERS)
     reward_num_nodes: int | None = doc(
         "Ray: the reward model's nodes (--reward_pretrain; 1 if only reward_num_gpus_per_node "
         "is given); given, it runs in a group of its own unless --colocate_critic_reward or "
@@ -69,8 +73,8 @@ class ClusterConfig:
         "Ray: reference and actor share devices (the reference runs in the actor group's "
         "ranks)", False, trainers=RAY_TRAINERS)
     colocate_critic_reward: bool = doc(
-        "Ray: critic and reward model share devices (both run in the actor group's ranks; the "
-        "critic always does here)", False, trainers=RAY_TRAINERS)
+        "Ray: critic and reward model share devices (both run in the actor group's ranks)",
+        False, trainers=RAY_TRAINERS)
 
     def __post_init__(self) -> None:
         check_positive(self, "actor_num_nodes", "actor_num_gpus_per_node")
@@ -83,8 +87,14 @@ class ClusterConfig:
             names = (f"{group}_num_nodes", f"{group}_num_gpus_per_node")
             if self.apart(group):
                 check_positive(self, *(name for name in names if getattr(self, name) is not None))
+                given = names[1] if getattr(self, names[1]) is not None else names[0]
+                if group == "critic" and self.group_size(group) != self.world_size:
+                    fail(given, getattr(self, given),
+                         f"a critic group of its own trains on actor rank i's micro-batches at "
+                         f"its rank i, so it has the actor group's {self.world_size} ranks (it "
+                         f"has {self.group_size(group)}); give nodes x devices per node = "
+                         f"{self.world_size}, or pass --colocate_critic_reward")
                 if self.world_size % self.group_size(group):
-                    given = names[1] if getattr(self, names[1]) is not None else names[0]
                     fail(given, getattr(self, given),
                          f"a {COLOCATE[group][0]} group of its own answers actor rank i from "
                          f"its rank i mod its size, which must divide the actor group's "
@@ -100,11 +110,11 @@ class ClusterConfig:
     def apart(self, group: str) -> bool:
         """``group`` (ref, critic, reward) in a Ray group of its own (OpenRLHF's placement when
         its size is given and it is not colocated), not inside the actor group's ranks."""
-        if group == "critic":
-            return False  # a critic group of its own is not supported yet
         given = any(getattr(self, f"{group}_{name}") is not None
                     for name in ("num_nodes", "num_gpus_per_node"))
         colocated = self.colocate_actor_ref if group == "ref" else self.colocate_critic_reward
+        # (colocate_critic_reward: OpenRLHF shares one group's devices; here both are the
+        # actor group's ranks')
         return given and not (colocated or self.colocate_all)
 
     def group_size(self, group: str) -> int:

@@ -1,6 +1,6 @@
-"""The clients of the frozen models' Ray groups of their own (``strategy.cluster.model_group``):
-an actor rank's reference or reward model when the driver placed it apart. Actor rank ``i`` asks
-group rank ``i mod size``; a dead or silent rank is one line naming it and its node. Ray is
+"""The clients of the models' Ray groups of their own (``strategy.cluster.model_group``): an
+actor rank's reference, reward model or critic when the driver placed it apart. Actor rank ``i``
+asks group rank ``i mod size``; a dead or silent rank is one line naming it and its node. Ray is
 imported only once a group is asked for (the driver's ``GROUPS_VAR`` names one).
 """
 
@@ -15,7 +15,7 @@ from strategy.dist import first_line, get_rank
 from strategy.errors import RankFailedError
 
 GROUPS_VAR = "STRATEGY_MODEL_GROUPS"  # an actor rank's environment: the groups' ranks
-GROUP_NAMES = {"ref": "reference group", "reward": "reward model group"}
+GROUP_NAMES = {"ref": "reference group", "critic": "critic group", "reward": "reward model group"}
 
 
 class RemoteGroup:
@@ -64,11 +64,53 @@ class RemoteReward(RemoteGroup):
         return self.ask("scores", [(prompts, completions, ended)])[0]
 
 
+class RemoteCritic(RemoteGroup):
+    """PPO's critic in a group of its own: ``values`` come from its rank ``i`` (this actor rank's;
+    with gradients on, as a leaf of this rank's graph), and ``backward`` sends the loss's gradient
+    with respect to them back, where the critic backpropagates it and steps. Persistence calls
+    are collective over the critic group, as over the actor group."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.leaf: torch.Tensor | None = None
+
+    def prepare(self, total_steps: int) -> tuple[float, float]:
+        """The critic's optimizer and schedule; the (mean, std) its values are scaled by."""
+        return tuple(self.ask("prepare", [(total_steps,)])[0])
+
+    def values(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The critic's values of ``batch`` and their mask (``token_values``)."""
+        grad = torch.is_grad_enabled()
+        cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        values, mask = self.ask("values", [(cpu, grad)])[0]
+        device = next((v.device for v in batch.values() if isinstance(v, torch.Tensor)), "cpu")
+        values, mask = values.to(device), mask.to(device)
+        self.leaf = values.requires_grad_() if grad else None
+        return values, mask
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Train the critic on ``loss``, a function of the last ``values`` taken with gradients."""
+        if self.leaf is None:
+            raise RuntimeError("RemoteCritic.backward without values taken with gradients on")
+        (grad,) = torch.autograd.grad(loss, self.leaf)
+        self.leaf = None
+        self.ask("backward", [(grad.cpu(),)])
+
+    def save_ckpt(self, save_dir: str, tag: str, metric: float | None) -> None:
+        self.ask("save_ckpt", [(save_dir, tag, metric)])
+
+    def load_ckpt(self, load_dir: str, tag: str) -> None:
+        self.ask("load_ckpt", [(load_dir, tag)])
+
+    def save_model(self, path: str, max_shard_size: int | str) -> None:
+        self.ask("save_model", [(path, max_shard_size)])
+
+
 def remote_group(kind: str) -> RemoteGroup | None:
-    """This actor rank's ``kind`` group (``"ref"`` or ``"reward"``, from the driver's
-    ``GROUPS_VAR``), or None: the model is then this rank's own."""
+    """This actor rank's ``kind`` group (``"ref"``, ``"critic"`` or ``"reward"``, from the
+    driver's ``GROUPS_VAR``), or None: the model is then this rank's own."""
     groups = json.loads(os.environ.get(GROUPS_VAR) or "{}")
     if kind not in groups.get("ranks", {}):
         return None
-    cls = RemoteReference if kind == "ref" else RemoteReward
+    cls = {"ref": RemoteReference, "critic": RemoteCritic, "reward": RemoteReward}[kind]
     return cls(kind, groups["namespace"], groups["ranks"][kind], groups["timeout"])

@@ -34,6 +34,7 @@ from strategy.config.cluster import ClusterConfig
 from strategy.errors import ConfigError, fail
 from strategy.model import hf_config
 from strategy.rollout.config import RolloutConfig
+from strategy.rollout.remote_models import RemoteCritic, remote_group
 from strategy.trainers.algorithms.grpo import GRPOTrainer
 from strategy.trainers.config import ModelConfig, PPOConfig
 from strategy.trainers.losses import gae, token_values, value_token_losses
@@ -65,8 +66,12 @@ def build_critic(run: Any, ppo: PPOConfig):
         ppo: the ``PPOConfig``.
 
     Returns:
-        The critic (not yet an engine: ``PPOTrainer`` prepares it).
+        The critic (not yet an engine: ``PPOTrainer`` prepares it); in a Ray job whose critic
+        has a group of its own, that group (``RemoteCritic``).
     """
+    remote = remote_group(CRITIC)
+    if remote is not None:
+        return remote
     source = critic_source(ppo, run.model_cfg)
     if source is None:
         config = hf_config(run.model_cfg.model_config, run.tokenizer, num_labels=1)
@@ -185,10 +190,14 @@ class PPOTrainer(GRPOTrainer):
         if not isinstance(grpo, PPOConfig) or critic is None:
             fail("critic", critic, "PPOTrainer needs grpo=PPOConfig(...) and critic=<a value "
                  "model> (Run.critic())")
+        self.remote_critic = isinstance(critic, RemoteCritic)  # trained by its Ray group
         super().__init__(strategy, model, optimizer, scheduler, train_dataloader,
                          eval_dataloader, config, tokenizer, grpo=grpo, ref_model=ref_model,
                          reward=reward, answer_key=answer_key, packing=packing,
                          rollout=rollout, max_len=max_len)
+        if self.remote_critic:
+            self.value_scale, self.critic = critic.prepare(self.total_steps()), critic
+            return
         own = critic_strategy(strategy, grpo)  # the critic's ZeRO stage and offload
         critic_optimizer = own.create_optimizer(critic, lr=grpo.critic_learning_rate)
         schedule = own.create_scheduler(critic_optimizer,
@@ -207,18 +216,59 @@ class PPOTrainer(GRPOTrainer):
             ``(values, mask)``: each scored token's value (0 elsewhere), and the mask of scored
             tokens (``token_values``' layout).
         """
-        values, mask = token_values(self.critic, batch)
+        if self.remote_critic:
+            values, mask = self.critic.values(batch)
+        else:
+            values, mask = token_values(self.critic, batch)
         mean, std = self.value_scale
         return (values - mean) / std * mask, mask
 
     def trained_engines(self) -> dict[str, Any]:
+        if self.remote_critic:  # its group trains it (compute_loss sends it its gradient)
+            return super().trained_engines()
         return {**super().trained_engines(), CRITIC: self.critic}
 
     def exported_engines(self) -> dict[str, Any]:
-        engines = self.trained_engines()
+        engines = {**self.trained_engines(), CRITIC: self.critic}
         if not self.grpo.save_value_network:
             engines.pop(CRITIC)
         return engines
+
+    def save_model(self, path: str, ema=None, engine=None) -> None:
+        """As ``Trainer.save_model``; a critic in a Ray group of its own is exported by it.
+
+        Args:
+            path: the output directory.
+            ema: the moving average to export instead of the current weights.
+            engine: the engine to export (default ``self.model``), or the critic.
+        """
+        if engine is self.critic and self.remote_critic:
+            self.critic.save_model(path, self.cfg.max_shard_size)
+            return
+        super().save_model(path, ema=ema, engine=engine)
+
+    def save_checkpoint(self) -> None:
+        """As ``Trainer.save_checkpoint``; a critic in a Ray group of its own is saved by it,
+        to ``<ckpt_path>_critic`` with the same tag and metric."""
+        super().save_checkpoint()
+        if self.remote_critic and not self.cfg.disable_ds_ckpt:
+            ckpt = self.strategy.checkpoint
+            step, metrics = self.last_eval
+            metric = (metrics.get(ckpt.best_metric) if ckpt.keep_best_ckpt
+                      and step == self.global_step else None)
+            self.critic.save_ckpt(f"{ckpt.ckpt_path.rstrip('/')}_{CRITIC}",
+                                  f"global_step{self.global_step}", metric)
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """As GRPO's; a critic in a Ray group of its own loads its checkpoint of this step.
+
+        Args:
+            state: the trainer state ``checkpoint_state`` saved.
+        """
+        super().load_checkpoint_state(state)
+        if self.remote_critic:
+            ckpt_path = self.strategy.checkpoint.ckpt_path.rstrip("/")
+            self.critic.load_ckpt(f"{ckpt_path}_{CRITIC}", f"global_step{self.global_step}")
 
     def advantages(self, batches: list[dict]) -> None:
         """The critic's values of the rollout (``old_values``), then GAE over the per-token
@@ -252,5 +302,9 @@ class PPOTrainer(GRPOTrainer):
         mask = self.trained_mask(batch, mask)
         losses, value_metrics = value_token_losses(values, batch["old_values"], batch["returns"],
                                                    mask, self.grpo.value_clip)
-        return {"model": policy, CRITIC: self.aggregate(losses, mask)}, {**metrics,
-                                                                           **value_metrics}
+        value_loss = self.aggregate(losses, mask)
+        if self.remote_critic:  # backpropagated and stepped by the critic's group
+            self.critic.backward(value_loss)
+            return {"model": policy}, {**metrics, **value_metrics,
+                                       f"{CRITIC}_loss": value_loss.item()}
+        return {"model": policy, CRITIC: value_loss}, {**metrics, **value_metrics}
