@@ -108,11 +108,15 @@ def train(root: str, name: str, **extra) -> dict:
                      "reference": trainer.ref_model.module.config._attn_implementation}
         packed = {"policy": 0, "reference": 0}  # forwards of one packed row (no attention mask)
         shared = {"policy": [], "reference": []}  # rows of each update forward on a KV cache
+        rows = {"policy": [], "reference": []}  # rows of each forward without gradients
 
         def count(name):
             def hook(module, args, kwargs):
                 packed[name] += kwargs.get("attention_mask") is None and kwargs[
                     "input_ids"].shape[0] == 1
+                if not torch.is_grad_enabled() and kwargs.get(CACHE_KEYWORD) is None \
+                        and not kwargs.get("use_cache"):  # not a generation step
+                    rows[name].append(int(kwargs["input_ids"].shape[0]))
                 if kwargs.get(CACHE_KEYWORD) is not None and (name == "reference" or
                                                         torch.is_grad_enabled()):
                     shared[name].append(int(kwargs["input_ids"].shape[0]))
@@ -122,7 +126,7 @@ def train(root: str, name: str, **extra) -> dict:
         trainer.ref_model.module.register_forward_pre_hook(count("reference"), with_kwargs=True)
         final = trainer.fit()
     return {"history": trainer.history, "final": final, "attention": attention, "packed": packed,
-            "shared": shared}
+            "shared": shared, "rows": rows}
 
 
 @pytest.mark.slow
@@ -296,6 +300,58 @@ def test_a_rollout_of_two_train_batches_equals_two_rollouts_of_a_frozen_policy(r
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), (a["step"], key)
     assert want[1]["ratio"] != 1.0 and want[1]["kl"] > 0  # the second step's ratio is off 1
     assert [r["rollout"] for r in want] == [1, 1] and [r["rollout"] for r in got] == [1, 2]
+
+
+def test_experience_micro_batches_regroup_rows_and_lay_outputs_back():
+    """``regrouped`` deals right-padded rows of micro-batches of different widths into groups of
+    another size, each trimmed to its longest row; ``scattered`` puts per-token outputs of those
+    groups back in the first micro-batches' rows and widths."""
+    from strategy.trainers.algorithms.completions import (
+        completion_batch,
+        regrouped,
+        scattered,
+    )
+
+    prompts = [[5, 6], [7], [8, 9, 10], [11], [12, 13]]
+    completions = [[1], [4], [1], [2, 3, 4, 5], [6, 7]]
+    batches = [completion_batch(prompts[:2], completions[:2], 0),
+               completion_batch(prompts[2:], completions[2:], 0)]
+    parts = regrouped(batches, 3, pad=0)
+    assert [p["input_ids"].tolist() for p in parts] == [
+        [[5, 6, 1, 0], [7, 4, 0, 0], [8, 9, 10, 1]], [[11, 2, 3, 4, 5], [12, 13, 6, 7, 0]]]
+    assert parts[1]["labels"].tolist()[1] == [-100, -100, 6, 7, -100]
+    assert parts[1]["attention_mask"].tolist()[1] == [1, 1, 1, 1, 0]
+    # an output that tells rows and positions apart: row number x 10 + position, on targets
+    outputs = [(torch.arange(len(p["input_ids"]))[:, None] * 10 + torch.arange(
+        p["input_ids"].shape[1] - 1)).float() * (p["labels"][:, 1:] != -100) for p in parts]
+    laid = scattered(outputs, batches)
+    assert [t.shape for t in laid] == [(2, 2), (3, 4)]
+    assert laid[0].tolist() == [[0, 1], [10, 0]] and laid[1].tolist() == [
+        [0, 0, 22, 0], [0, 1, 2, 3], [0, 11, 12, 0]]
+
+
+@pytest.mark.slow
+def test_experience_forwards_in_micro_batches_of_their_own_give_the_same_updates(ranks, toy):
+    """``--micro_rollout_batch_size 3`` (OpenRLHF's --rollout.micro_batch_size), at ZeRO-3: a
+    rank's 16 completions of a rollout (two optimizer steps of 16 over 2 ranks, micro-batches of
+    8) go through the reference and the sampling policy 3 at a time (the last forward of 1);
+    the two updates equal those of the default run, where those forwards take the training
+    micro-batches."""
+    base = {"zero_stage": 3, "rollout_batch_size": 8, "train_batch_size": 16, "ppo_epochs": 1,
+            "max_steps": 2, "eval_steps": -1}
+    default = ranks.run(train, str(toy), "experience_default", **base)
+    regrouped = ranks.run(train, str(toy), "experience_by_3", micro_rollout_batch_size=3, **base)
+    for out in default:  # the reference's pass, then the policy's before the first update
+        assert out["rows"] == {"policy": [8, 8], "reference": [8, 8]}, out["rows"]
+    for out in regrouped:
+        assert out["rows"] == {"policy": [3, 3, 3, 3, 3, 1], "reference": [3, 3, 3, 3, 3, 1]}
+    want, got = default[0]["history"], regrouped[0]["history"]
+    assert [r["step"] for r in want] == [r["step"] for r in got] == [1, 2]
+    for a, b in zip(want, got):
+        assert b["reward"] == a["reward"] and b["completion_length"] == a["completion_length"]
+        for key in ("loss", "kl", "ratio", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    assert want[1]["ratio"] != 1.0 and want[1]["kl"] > 0  # the old log-probs were used
 
 
 @pytest.mark.slow

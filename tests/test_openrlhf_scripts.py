@@ -40,23 +40,23 @@ REFUSED = {  # script -> the flags it is refused for here (each with its one lin
     # the script's Mixtral replaced by a tiny Llama: no router, so no router loss
     "train_sft_mixtral_lora.sh": ["--ds.attn_implementation", "--model.aux_loss_coef"],
     "train_ppo_ray_hybrid_engine.sh": ["--ds.enable_sleep", *TOKENS, "--vllm.enable_sleep"],
-    "train_ppo_ray_slurm.sh": ["--rollout.micro_batch_size"],
-    "train_ppo_with_reward_fn.sh": ["--rollout.micro_batch_size", "--ds.attn_implementation"],
+    "train_ppo_ray_slurm.sh": [],
+    "train_ppo_with_reward_fn.sh": ["--ds.attn_implementation"],
     # --ckpt.save_steps and --eval.steps count rollouts in OpenRLHF, optimizer steps here
-    "train_dapo_ray_hybrid_engine.sh": ["--rollout.micro_batch_size", "--ds.enable_sleep",
+    "train_dapo_ray_hybrid_engine.sh": ["--ds.enable_sleep",
                                         "--ckpt.save_steps", "--vllm.enable_sleep"],
     "train_prorlv2_math_hybrid_engine.sh": [TOKENS[0], "--ds.enable_sleep", TOKENS[1],
                                             "--ckpt.save_steps", "--eval.steps",
                                             "--vllm.enable_sleep"],
     "train_reinforce_baseline_hybrid_engine.sh": [
-        *TOKENS, "--rollout.max_tokens_per_gpu", "--rollout.micro_batch_size", "--ds.enable_sleep",
+        *TOKENS, "--rollout.max_tokens_per_gpu", "--ds.enable_sleep",
         "--ds.ring_attn_head_stride", "--ds.ring_attn_size"],
     "train_reinforce_baseline_ray_agent_async.sh": [
-        *TOKENS, "--rollout.max_tokens_per_gpu", "--rollout.micro_batch_size",
-        "--train.partial_rollout_enable", "--ds.enable_sleep",
-        "--ds.ring_attn_head_stride", "--ds.ring_attn_size", "--train.async_enable"],
+        *TOKENS, "--rollout.max_tokens_per_gpu", "--train.partial_rollout_enable",
+        "--ds.enable_sleep", "--ds.ring_attn_head_stride", "--ds.ring_attn_size",
+        "--train.async_enable"],
     "train_vlm_math_hybrid_engine.sh": [
-        "--rollout.micro_batch_size", "--data.image_key", "--data.max_images_per_prompt",
+        "--data.image_key", "--data.max_images_per_prompt",
         "--actor.freeze_visual_encoder", "--ds.enable_sleep",
         "--vllm.enable_sleep"],
 }

@@ -188,6 +188,19 @@ def test_ppo_zero3_trains_both_engines_matches_openrlhf_and_resumes_exactly(rank
         assert after.keys() == before.keys()
         assert all(torch.equal(after[k], before[k]) for k in before), name
 
+    # --micro_rollout_batch_size 3: the experience stage's forwards (reference, sampling policy,
+    # critic) take a rank's 8 completions 3 at a time, not in the training micro-batches of 4
+    by_3 = ranks.run(ppo_run, str(toy), "by_3", micro_rollout_batch_size=3, save_steps=-1)
+    for want, got in zip(full, by_3):
+        for a, b in zip(want["experience"], got["experience"]):
+            for key in ("old_logp", "ref_logp", "old_values", "advantages"):
+                torch.testing.assert_close(torch.tensor(b[key]), torch.tensor(a[key]),
+                                           rtol=1e-5, atol=1e-6)
+    assert [r["step"] for r in by_3[0]["history"]] == [1, 2, 3, 4]
+    for a, b in zip(history, by_3[0]["history"]):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+
 
 def mixed_stages(root: str) -> dict:
     """The policy at ZeRO-2, the critic at its own ZeRO-3 with CPU Adam: what each engine is."""

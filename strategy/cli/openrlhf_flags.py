@@ -121,6 +121,7 @@ DOTTED: dict[str, tuple[str, ...]] = {
     "actor.aux_loss_coef": ("--aux_loss_coef", "{}"),
     "actor.entropy_coef": ("--entropy_coef", "{}"),  # OpenRLHF's None (no logs) is our 0.0
     "rollout.batch_size": ("--rollout_batch_size", "{}"),  # prompts per rollout, both
+    "rollout.micro_batch_size": ("--micro_rollout_batch_size", "{}"),  # experience forwards
     "eval.temperature": ("--eval_temperature", "{}"),  # OpenRLHF's default 0.6, ours 0: greedy
     "eval.n_samples_per_prompt": ("--eval_n_samples", "{}"),  # OpenRLHF's default 4, ours 1
     # ---- data
@@ -317,8 +318,6 @@ REFUSED: dict[str, str] = {
     "train.dynamic_batch_enable": _TOKENS,
     "rollout.max_tokens_per_gpu": _TOKENS,
     "train.max_tokens_per_gpu": _TOKENS,
-    "rollout.micro_batch_size": "the experience stage runs in --micro_train_batch_size "
-                                "micro-batches",
     "critic.freezing_steps": "no critic warm-up here: policy and critic train from the first step",
     "algo.kl.target": "no adaptive KL controller here: the weight is fixed (--kl_coef)",
     "algo.kl.horizon": "no adaptive KL controller here: the weight is fixed (--kl_coef)",

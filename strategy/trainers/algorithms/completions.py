@@ -113,6 +113,55 @@ def prompts_of(batch: dict) -> list[list[int]]:
     return out
 
 
+def regrouped(batches: list[dict], size: int, pad: int) -> list[dict]:
+    """The rows of ``completion_batch`` micro-batches (right-padded) regrouped ``size`` at a
+    time, each group trimmed to its longest row: the experience stage's forward micro-batches
+    (``--micro_rollout_batch_size``), apart from training's.
+
+    Args:
+        batches: micro-batches with ``input_ids``, ``labels`` and ``attention_mask``.
+        size: rows per regrouped micro-batch (the last may hold fewer).
+        pad: the padding id.
+
+    Returns:
+        The regrouped micro-batches, with those three keys.
+    """
+    fill = {"input_ids": pad, "labels": IGNORE, "attention_mask": 0}
+    rows = {key: [row for b in batches for row in b[key]] for key in fill}
+    out = []
+    for first in range(0, len(rows["input_ids"]), size):
+        part = {key: column[first:first + size] for key, column in rows.items()}
+        width = max(int(mask.sum()) for mask in part["attention_mask"])
+        out.append({key: torch.stack([torch.nn.functional.pad(
+            row[:width], (0, width - len(row[:width])), value=fill[key]) for row in column])
+            for key, column in part.items()})
+    return out
+
+
+def scattered(outputs: list[torch.Tensor], batches: list[dict]) -> list[torch.Tensor]:
+    """Per-token outputs of ``regrouped`` micro-batches (``token_logps``' layout, zero past each
+    row's targets) back in ``batches``' rows and widths.
+
+    Args:
+        outputs: one tensor per regrouped micro-batch, rows x (its width - 1).
+        batches: the micro-batches they were regrouped from.
+
+    Returns:
+        One tensor per micro-batch of ``batches``, rows x (its width - 1).
+    """
+    rows = [row for out in outputs for row in out]
+    laid, first = [], 0
+    for b in batches:
+        count, width = b["input_ids"].shape
+        out = torch.zeros(count, width - 1, dtype=rows[0].dtype)
+        for index, row in enumerate(rows[first:first + count]):
+            kept = row[:width - 1]
+            out[index, :len(kept)] = kept
+        laid.append(out)
+        first += count
+    return laid
+
+
 def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts left-padded for generation, and their attention mask."""
     width = max(len(p) for p in prompts)

@@ -281,13 +281,18 @@ class ExperienceMaker:
 
     def reference_logps(self, batches: list[dict]) -> list[torch.Tensor]:
         """The reference's log-probs of each micro-batch's targets (on the CPU): forwarded here,
-        or asked of the reference's own Ray group (``strategy.rollout.remote_models``)."""
+        or asked of the reference's own Ray group (``strategy.rollout.remote_models``), in
+        ``experience_forwards``' micro-batches."""
         remote = getattr(self.ref_model, "logps_of", None)
-        if remote is not None:
-            return remote(batches)
-        with torch.no_grad():
-            return [token_logps(self.ref_model, self.to_device(b), self.grpo.temperature)[0].cpu()
-                    for b in batches]
+
+        def forward(parts: list[dict]) -> list[torch.Tensor]:
+            if remote is not None:
+                return remote(parts)
+            with torch.no_grad():
+                return [token_logps(self.ref_model, self.to_device(b),
+                                    self.grpo.temperature)[0].cpu() for b in parts]
+
+        return self.experience_forwards(batches, forward)
 
     def _rollout_metrics(self, rewards: torch.Tensor, lengths: list[int],
                          truncated: torch.Tensor, shaped: dict) -> dict:

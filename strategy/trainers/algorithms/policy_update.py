@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from strategy.trainers.algorithms.completions import regrouped, scattered
 from strategy.trainers.loop import Largest
 from strategy.trainers.losses import (
     discounted_returns,
@@ -19,6 +20,7 @@ from strategy.trainers.losses import (
     kl_estimate,
     outcome_advantages,
     outcome_token_rewards,
+    padding_free,
     scored_mask,
     token_logps,
     token_logps_entropy,
@@ -90,6 +92,8 @@ class PolicyUpdate:
             estimate: token rewards, their mask, the micro-batch -> advantages.
         """
         g, masks, offset = self.grpo, [], 0
+        if g.kl_in_reward:  # the rollout's policy against the reference
+            self.rollout_logps([b for b in batches if "ref_logp" in b])
         for b in batches:
             mask = scored_mask(b).float()
             rows = mask.shape[0]
@@ -97,8 +101,7 @@ class PolicyUpdate:
             if "turn_rewards" in b and g.advantage_estimator in PER_TURN:  # rewards as given
                 rewards = b["turn_rewards"].float() * mask
             offset += rows
-            if g.kl_in_reward and "ref_logp" in b:  # the rollout's policy against the reference
-                self.rollout_logps([b])
+            if g.kl_in_reward and "ref_logp" in b:
                 rewards = rewards - g.kl_coef * kl_estimate(b["old_logp"], b["ref_logp"],
                                                             g.kl_estimator) * mask
             b["advantages"] = estimate(rewards, mask, b)
@@ -121,11 +124,40 @@ class PolicyUpdate:
         Args:
             batches: the rollout's micro-batches, set in place.
         """
-        with torch.no_grad():
-            for b in batches:
-                if "old_logp" not in b:
-                    b["old_logp"] = token_logps(self.model, self.to_device(b),
-                                                self.grpo.temperature)[0].cpu()
+        missing = [b for b in batches if "old_logp" not in b]
+
+        def forward(parts: list[dict]) -> list[torch.Tensor]:
+            with torch.no_grad():
+                return [token_logps(self.model, self.to_device(b), self.grpo.temperature)[0].cpu()
+                        for b in parts]
+
+        for b, logp in zip(missing, self.experience_forwards(missing, forward)):
+            b["old_logp"] = logp
+
+    def experience_forwards(self, batches: list[dict],
+                            forward: Callable[[list[dict]], list[torch.Tensor]],
+                            ) -> list[torch.Tensor]:
+        """``forward``'s per-token outputs (``token_logps``' layout) for each micro-batch, run
+        on micro-batches of ``--micro_rollout_batch_size`` rows of the same completions
+        (OpenRLHF's ``--rollout.micro_batch_size``) and laid back out as ``batches``; with none
+        set, on ``batches`` themselves. Every rank holds as many rows, so as many forwards.
+
+        Args:
+            batches: the rollout's micro-batches (``completion_batch``'s rows).
+            forward: micro-batches -> one output each (the reference's, the policy's or the
+                critic's forward, on the CPU).
+
+        Returns:
+            One output per micro-batch of ``batches``.
+        """
+        size = self.grpo.micro_rollout_batch_size
+        if size is None or not batches:
+            return forward(batches)
+        parts = regrouped(batches, size, self.tokenizer.pad_token_id)
+        if self.packing:  # the forwards skip the padding, as the micro-batches' own would
+            for part in parts:
+                part.update(padding_free(part["input_ids"], part["attention_mask"]))
+        return scattered(forward(parts), batches)
 
     def loss_counts(self, batch: dict) -> dict[str, int]:
         if "prompt_ids" in batch:  # evaluation: prompts

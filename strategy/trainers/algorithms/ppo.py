@@ -277,9 +277,12 @@ class PPOTrainer(GRPOTrainer):
         Args:
             batches: the rollout's micro-batches, set in place.
         """
-        with torch.no_grad():
-            for b in batches:
-                b["old_values"] = self.values(self.to_device(b))[0].cpu()
+        def forward(parts: list[dict]) -> list[torch.Tensor]:
+            with torch.no_grad():
+                return [self.values(self.to_device(b))[0].cpu() for b in parts]
+
+        for b, values in zip(batches, self.experience_forwards(batches, forward)):
+            b["old_values"] = values
         rewards = torch.cat([b["rewards"] for b in batches])
         self.token_advantages(batches, rewards, self._gae)
 

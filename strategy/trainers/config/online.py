@@ -64,6 +64,11 @@ class GRPOConfig:
         "GRPO: prompts per rollout on all ranks, each sampled group_size times; its completions "
         "train in optimizer steps of train_batch_size (OpenRLHF's --rollout.batch_size; None: "
         "one step's, train_batch_size / group_size)", None)
+    micro_rollout_batch_size: int | None = doc(
+        "GRPO: completions per forward of the experience stage on each rank (the reference's "
+        "and the sampling policy's log-probs, PPO's values), apart from training's "
+        "micro_train_batch_size (OpenRLHF's --rollout.micro_batch_size; None: the training "
+        "micro-batches)", None)
     max_new_tokens: int = doc("GRPO: longest completion in tokens", 64)
     temperature: float = doc("GRPO: sampling temperature", 1.0)
     top_p: float = doc("GRPO: nucleus sampling mass (< 1: samples from the head, while the "
@@ -323,8 +328,9 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         check_positive(self, "group_size", "ppo_epochs", "max_new_tokens")
-        if self.rollout_batch_size is not None:
-            check_positive(self, "rollout_batch_size")
+        for name in ("rollout_batch_size", "micro_rollout_batch_size"):
+            if getattr(self, name) is not None:
+                check_positive(self, name)
         self._check_eval_sampling()
         if self.reward_fn is None and self.reward_pretrain is None \
                 and self.remote_rm_url is None and self.agent_func_path is None:
