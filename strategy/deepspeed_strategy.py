@@ -534,6 +534,19 @@ class DeepSpeedStrategy:
         zero3_average = self.config.zero_stage == 3 and self.sequence is not None
         model.backward(loss * self.sequence_parallel_size if zero3_average else loss)
 
+    def accumulation_boundary(self, model, last: bool) -> None:
+        """Mark whether the next micro-batch ends the optimizer step (``last``), for steps of
+        any count of micro-batches (a token budget's): DeepSpeed then reduces and steps there,
+        not every ``gradient_accumulation_steps``. The loss scale (``loss_scale``) is unchanged:
+        a loss normalized over the step's items stays exact for any count.
+
+        Args:
+            model: the training engine.
+            last: whether the next backward is the step's last.
+        """
+        check_training_engine(model, None)
+        model.set_gradient_accumulation_boundary(last)
+
     def optimizer_step(self, optimizer: Any, model: Any = None, scheduler: Any = None,
                        name: str = "model") -> None:
         """Step the engine: DeepSpeed clips, updates, schedules and zeroes the gradients only at

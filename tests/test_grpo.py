@@ -109,6 +109,7 @@ def train(root: str, name: str, **extra) -> dict:
         packed = {"policy": 0, "reference": 0}  # forwards of one packed row (no attention mask)
         shared = {"policy": [], "reference": []}  # rows of each update forward on a KV cache
         rows = {"policy": [], "reference": []}  # rows of each forward without gradients
+        grad_rows = []  # rows of each training forward of the policy
 
         def count(name):
             def hook(module, args, kwargs):
@@ -117,6 +118,8 @@ def train(root: str, name: str, **extra) -> dict:
                 if not torch.is_grad_enabled() and kwargs.get(CACHE_KEYWORD) is None \
                         and not kwargs.get("use_cache"):  # not a generation step
                     rows[name].append(int(kwargs["input_ids"].shape[0]))
+                if torch.is_grad_enabled() and name == "policy":
+                    grad_rows.append(int(kwargs["input_ids"].shape[0]))
                 if kwargs.get(CACHE_KEYWORD) is not None and (name == "reference" or
                                                         torch.is_grad_enabled()):
                     shared[name].append(int(kwargs["input_ids"].shape[0]))
@@ -126,7 +129,7 @@ def train(root: str, name: str, **extra) -> dict:
         trainer.ref_model.module.register_forward_pre_hook(count("reference"), with_kwargs=True)
         final = trainer.fit()
     return {"history": trainer.history, "final": final, "attention": attention, "packed": packed,
-            "shared": shared, "rows": rows}
+            "shared": shared, "rows": rows, "grad_rows": grad_rows}
 
 
 @pytest.mark.slow
@@ -316,7 +319,7 @@ def test_experience_micro_batches_regroup_rows_and_lay_outputs_back():
     completions = [[1], [4], [1], [2, 3, 4, 5], [6, 7]]
     batches = [completion_batch(prompts[:2], completions[:2], 0),
                completion_batch(prompts[2:], completions[2:], 0)]
-    parts = regrouped(batches, 3, pad=0)
+    parts = regrouped(batches, [3, 2], pad=0)
     assert [p["input_ids"].tolist() for p in parts] == [
         [[5, 6, 1, 0], [7, 4, 0, 0], [8, 9, 10, 1]], [[11, 2, 3, 4, 5], [12, 13, 6, 7, 0]]]
     assert parts[1]["labels"].tolist()[1] == [-100, -100, 6, 7, -100]
@@ -328,6 +331,67 @@ def test_experience_micro_batches_regroup_rows_and_lay_outputs_back():
     assert [t.shape for t in laid] == [(2, 2), (3, 4)]
     assert laid[0].tolist() == [[0, 1], [10, 0]] and laid[1].tolist() == [
         [0, 0, 22, 0], [0, 1, 2, 3], [0, 11, 12, 0]]
+
+
+def test_a_token_budget_cuts_rows_in_order_into_as_few_micro_batches_as_fit():
+    """``fewest_chunks``: contiguous micro-batches of at most the budget's forward tokens (rows x
+    the longest when padded, the sum when packed; a longer row alone). ``chunk_sizes``: a given
+    count of them whose largest is smallest. ``budget_bounds``: each optimizer step's rows cut
+    on their own, into the most micro-batches any rank needs when told."""
+    from strategy.trainers.algorithms.token_budget import (
+        budget_bounds,
+        chunk_sizes,
+        fewest_chunks,
+        forward_tokens,
+    )
+
+    lengths = [5, 3, 7, 2, 6, 9, 1]
+    assert forward_tokens([5, 3, 7], packed=False) == 21 and forward_tokens([5, 3, 7], True) == 15
+    assert fewest_chunks(lengths, 10, packed=True) == 4  # [5,3] [7,2] [6] [9,1], in order
+    assert fewest_chunks(lengths, 14, packed=False) == 5  # [5,3] [7,2] [6] [9] [1]
+    assert fewest_chunks([20, 1], 10, packed=True) == 2  # a longer row trains alone
+    for packed in (True, False):
+        for count in range(1, len(lengths) + 1):
+            sizes = chunk_sizes(lengths, count, packed)
+            assert len(sizes) == count and sum(sizes) == len(lengths) and min(sizes) >= 1
+            starts = [sum(sizes[:i]) for i in range(count)]
+            worst = max(forward_tokens(lengths[a:a + n], packed) for a, n in zip(starts, sizes))
+            # no contiguous cut into ``count`` parts has a smaller largest forward (the
+            # longest row's own is the least there is)
+            assert worst == max(lengths) or fewest_chunks(lengths, worst - 1, packed) > count
+    assert chunk_sizes(lengths, 3, packed=True) == [3, 2, 2]  # 15, 8, 10 tokens
+    bounds = budget_bounds([4, 4, 4, 4, 9, 1, 1, 1], steps=2, budget=8, packed=True)
+    assert bounds == [(0, 2, 0), (2, 4, 0), (4, 5, 1), (5, 8, 1)]
+    assert budget_bounds([4, 4, 4, 4, 9, 1, 1, 1], 2, 8, True, most=[3, 3]) == [
+        (0, 1, 0), (1, 2, 0), (2, 4, 0), (4, 5, 1), (5, 6, 1), (6, 8, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_micro_batches_by_a_token_budget_give_the_count_based_updates(ranks, toy, stage):
+    """``--dynamic_batch --max_tokens_per_gpu 70`` (OpenRLHF's --train.dynamic_batch_enable):
+    a rank's 16 completions of each optimizer step cut by the budget into micro-batches of
+    varying count (not DeepSpeed's 2 accumulation steps), DeepSpeed stepping after each step's
+    last; the experience forwards by their own budget (``--rollout_max_tokens_per_gpu 100``).
+    In fp32, at ZeRO-2 and ZeRO-3, the updates equal the row-count run's (loss, KL, ratio,
+    grad norm to 1e-6) over a rollout's two passes (``--ppo_epochs 2``)."""
+    base = {"zero_stage": stage, "max_steps": 2, "eval_steps": -1, "shared_prompt_forward": False}
+    counted = ranks.run(train, str(toy), f"counted_{stage}", **base)
+    budget = ranks.run(train, str(toy), f"budget_{stage}", dynamic_batch=True,
+                       max_tokens_per_gpu=70, rollout_max_tokens_per_gpu=100, **base)
+    for out in counted:  # training micro-batches of 8: two per step
+        assert out["grad_rows"] == [8, 8, 8, 8], out["grad_rows"]
+    for out, other in zip(budget, budget[::-1]):
+        assert sum(out["grad_rows"]) == 32 and max(out["grad_rows"]) < 8
+        assert len(out["grad_rows"]) == len(other["grad_rows"])  # as many on every rank
+        assert sum(out["rows"]["reference"]) == 16 and len(out["rows"]["reference"]) > 2
+    want, got = counted[0]["history"], budget[0]["history"]
+    assert [r["step"] for r in want] == [r["step"] for r in got] == [1, 2]
+    for a, b in zip(want, got):
+        assert b["reward"] == a["reward"] and b["completion_length"] == a["completion_length"]
+        for key in ("loss", "kl", "ratio", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), (stage, a["step"], key)
+    assert want[1]["ratio"] != 1.0  # the second pass moved off the sampling policy
 
 
 @pytest.mark.slow

@@ -31,7 +31,6 @@ SCRIPTS = ROOT / "tests" / "data" / "openrlhf_scripts"
 WRAPPER = "train_nonrl_slurm.sh"  # runs another script's command under Slurm: none of its own
 MODULES = {"train_ppo_ray": "strategy.cli.train_ppo_ray", "serve_rm": "strategy.cli.serve_rm"}
 
-TOKENS = ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu"]  # token-budget batching
 REFUSED = {  # script -> the flags it is refused for here (each with its one line)
     "serve_remote_rm.sh": [],  # flash-attn: serve_rm takes its model's attention as it is
     "train_sft.sh": ["--ds.attn_implementation"],
@@ -39,20 +38,20 @@ REFUSED = {  # script -> the flags it is refused for here (each with its one lin
     "train_dpo_llama.sh": ["--ds.attn_implementation"],
     # the script's Mixtral replaced by a tiny Llama: no router, so no router loss
     "train_sft_mixtral_lora.sh": ["--ds.attn_implementation", "--model.aux_loss_coef"],
-    "train_ppo_ray_hybrid_engine.sh": ["--ds.enable_sleep", *TOKENS, "--vllm.enable_sleep"],
+    "train_ppo_ray_hybrid_engine.sh": ["--ds.enable_sleep", "--vllm.enable_sleep"],
     "train_ppo_ray_slurm.sh": [],
     "train_ppo_with_reward_fn.sh": ["--ds.attn_implementation"],
     # --ckpt.save_steps and --eval.steps count rollouts in OpenRLHF, optimizer steps here
     "train_dapo_ray_hybrid_engine.sh": ["--ds.enable_sleep",
                                         "--ckpt.save_steps", "--vllm.enable_sleep"],
-    "train_prorlv2_math_hybrid_engine.sh": [TOKENS[0], "--ds.enable_sleep", TOKENS[1],
+    "train_prorlv2_math_hybrid_engine.sh": ["--ds.enable_sleep",
                                             "--ckpt.save_steps", "--eval.steps",
                                             "--vllm.enable_sleep"],
     "train_reinforce_baseline_hybrid_engine.sh": [
-        *TOKENS, "--rollout.max_tokens_per_gpu", "--ds.enable_sleep",
+        "--ds.enable_sleep",
         "--ds.ring_attn_head_stride", "--ds.ring_attn_size"],
     "train_reinforce_baseline_ray_agent_async.sh": [
-        *TOKENS, "--rollout.max_tokens_per_gpu", "--train.partial_rollout_enable",
+        "--train.partial_rollout_enable",
         "--ds.enable_sleep", "--ds.ring_attn_head_stride", "--ds.ring_attn_size",
         "--train.async_enable"],
     "train_vlm_math_hybrid_engine.sh": [

@@ -201,6 +201,14 @@ def test_ppo_zero3_trains_both_engines_matches_openrlhf_and_resumes_exactly(rank
         for key in keys:
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
 
+    # --dynamic_batch: training micro-batches by a 40-token budget (rows x the longest), not 4
+    # rows; policy and critic both step after each step's last one: the same updates
+    budget = ranks.run(ppo_run, str(toy), "budget", dynamic_batch=True, max_tokens_per_gpu=40,
+                       save_steps=-1)
+    for a, b in zip(history, budget[0]["history"]):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-6), (a["step"], key)
+
 
 def mixed_stages(root: str) -> dict:
     """The policy at ZeRO-2, the critic at its own ZeRO-3 with CPU Adam: what each engine is."""

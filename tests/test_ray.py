@@ -80,6 +80,10 @@ def test_engines_apart_from_training_are_a_ray_jobs_alone(ray, engines, message,
     ({"critic_num_gpus_per_node": 2, "ref_num_gpus_per_node": 1}, {"ppo": True},
      ("ref", "critic")),
     ({"critic_num_gpus_per_node": 2}, {}, ()),  # GRPO: no critic to place
+    ({"critic_num_gpus_per_node": 2}, {"ppo": True, "dynamic_batch": True},
+     "critic_num_gpus_per_node=2 is invalid with --dynamic_batch: a critic group of its own "
+     "steps every --micro_train_batch_size micro-batches; pass --colocate_critic_reward, or "
+     "drop --dynamic_batch"),
     ({"critic_num_gpus_per_node": 2, "colocate_critic_reward": True}, {"ppo": True}, ()),
     ({"critic_num_gpus_per_node": 1}, {"ppo": True},
      "critic_num_gpus_per_node=1 is invalid: a critic group of its own trains on actor rank "
@@ -115,7 +119,8 @@ def test_model_groups_of_their_own_are_placed_as_openrlhf_places_them_or_refused
             else {"reward_fn": "m:f"}
         return {ClusterConfig: ClusterConfig(**{"actor_num_gpus_per_node": 2, **cluster_kw}),
                 GRPOConfig: (PPOConfig if other.get("ppo") else GRPOConfig)(
-                    kl_coef=other.get("kl_coef", 0.01), **rewards),
+                    kl_coef=other.get("kl_coef", 0.01),
+                    dynamic_batch=other.get("dynamic_batch", False), **rewards),
                 ModelConfig: ModelConfig(**model), StrategyConfig: StrategyConfig(
                     sequence_parallel_size=other.get("sequence_parallel_size", 1))}
 

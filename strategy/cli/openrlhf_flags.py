@@ -122,6 +122,9 @@ DOTTED: dict[str, tuple[str, ...]] = {
     "actor.entropy_coef": ("--entropy_coef", "{}"),  # OpenRLHF's None (no logs) is our 0.0
     "rollout.batch_size": ("--rollout_batch_size", "{}"),  # prompts per rollout, both
     "rollout.micro_batch_size": ("--micro_rollout_batch_size", "{}"),  # experience forwards
+    "train.dynamic_batch_enable": ("--dynamic_batch",),  # micro-batches by a token budget
+    "train.max_tokens_per_gpu": ("--max_tokens_per_gpu", "{}"),
+    "rollout.max_tokens_per_gpu": ("--rollout_max_tokens_per_gpu", "{}"),
     "eval.temperature": ("--eval_temperature", "{}"),  # OpenRLHF's default 0.6, ours 0: greedy
     "eval.n_samples_per_prompt": ("--eval_n_samples", "{}"),  # OpenRLHF's default 4, ours 1
     # ---- data
@@ -238,8 +241,6 @@ _VLM = "vision-language training is not here; text prompts only"
 _ASYNC = ("partial rollouts are not here: a rollout is generated whole, on the weights of one "
           "update (--async_rollouts 1 generates it while the step before trains)")
 _CRITIC = "the critic takes the policy's {} (its own setting here: --critic_learning_rate)"
-_TOKENS = ("token-budget batching is not here: micro-batches count samples "
-           "(--micro_train_batch_size)")
 
 REFUSED: dict[str, str] = {
     # ---- runtime, kernels, tokenizer, hub
@@ -315,9 +316,6 @@ REFUSED: dict[str, str] = {
     "rollout.vllm_generate_batch_size": _VLLM,
     "train.partial_rollout_enable": _ASYNC,
     # ---- PPO / GRPO
-    "train.dynamic_batch_enable": _TOKENS,
-    "rollout.max_tokens_per_gpu": _TOKENS,
-    "train.max_tokens_per_gpu": _TOKENS,
     "critic.freezing_steps": "no critic warm-up here: policy and critic train from the first step",
     "algo.kl.target": "no adaptive KL controller here: the weight is fixed (--kl_coef)",
     "algo.kl.horizon": "no adaptive KL controller here: the weight is fixed (--kl_coef)",

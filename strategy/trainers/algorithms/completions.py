@@ -113,14 +113,15 @@ def prompts_of(batch: dict) -> list[list[int]]:
     return out
 
 
-def regrouped(batches: list[dict], size: int, pad: int) -> list[dict]:
-    """The rows of ``completion_batch`` micro-batches (right-padded) regrouped ``size`` at a
-    time, each group trimmed to its longest row: the experience stage's forward micro-batches
-    (``--micro_rollout_batch_size``), apart from training's.
+def regrouped(batches: list[dict], sizes: list[int], pad: int) -> list[dict]:
+    """The rows of ``completion_batch`` micro-batches (right-padded) regrouped in order into
+    micro-batches of ``sizes`` rows, each trimmed to its longest row: the experience stage's
+    forward micro-batches (``--micro_rollout_batch_size``, or a token budget's), apart from
+    training's.
 
     Args:
         batches: micro-batches with ``input_ids``, ``labels`` and ``attention_mask``.
-        size: rows per regrouped micro-batch (the last may hold fewer).
+        sizes: rows of each regrouped micro-batch (they sum to the rows of ``batches``).
         pad: the padding id.
 
     Returns:
@@ -128,9 +129,10 @@ def regrouped(batches: list[dict], size: int, pad: int) -> list[dict]:
     """
     fill = {"input_ids": pad, "labels": IGNORE, "attention_mask": 0}
     rows = {key: [row for b in batches for row in b[key]] for key in fill}
-    out = []
-    for first in range(0, len(rows["input_ids"]), size):
+    out, first = [], 0
+    for size in sizes:
         part = {key: column[first:first + size] for key, column in rows.items()}
+        first += size
         width = max(int(mask.sum()) for mask in part["attention_mask"])
         out.append({key: torch.stack([torch.nn.functional.pad(
             row[:width], (0, width - len(row[:width])), value=fill[key]) for row in column])

@@ -20,6 +20,7 @@ from strategy.trainers.algorithms.completions import (
 )
 from strategy.trainers.algorithms.episodes import turn_values
 from strategy.trainers.algorithms.groups import Sampled, deal, informative
+from strategy.trainers.algorithms.token_budget import budget_bounds, fewest_chunks
 from strategy.trainers.losses import (
     length_shaped_rewards,
     padding_free,
@@ -254,19 +255,20 @@ class ExperienceMaker:
         trained = torch.arange(len(completions)) < len(completions) - filler
         if self.grpo.mask_truncated_completions:  # no loss on them; their rewards still count
             trained &= ~truncated
-        micro = self.strategy.config.micro_train_batch_size
+        lengths = [len(p) + len(c) for p, c in zip(sampled.prompt_ids, completions)]
         batches = []
-        for i in range(0, len(completions), micro):
-            prompts, part = sampled.prompt_ids[i:i + micro], episodes[i:i + micro]
-            b = self._micro_batch(prompts, completions[i:i + micro], rewards[i:i + micro],
-                                  index=i // micro, scored=[e.model for e in part] or None)
+        for index, (i, end, step) in enumerate(self.micro_batch_bounds(lengths)):
+            prompts, part = sampled.prompt_ids[i:end], episodes[i:end]
+            b = self._micro_batch(prompts, completions[i:end], rewards[i:end], index=index,
+                                  scored=[e.model for e in part] or None)
+            b["rollout_step"] = step
             width = b["input_ids"].shape[1]
             if sampled.engine_logps:
-                b["engine_logp"] = token_layout(prompts, sampled.engine_logps[i:i + micro], width)
+                b["engine_logp"] = token_layout(prompts, sampled.engine_logps[i:end], width)
             if part:  # each turn's reward on its last model token
                 b["turn_rewards"] = token_layout(prompts, turn_values(part), width)
-            if not trained[i:i + micro].all():
-                b["trained"] = trained[i:i + micro]
+            if not trained[i:end].all():
+                b["trained"] = trained[i:end]
             batches.append(b)
         if self.ref_model is not None:
             for b, logp in zip(batches, self.reference_logps(batches)):
@@ -278,6 +280,30 @@ class ExperienceMaker:
         if episodes:
             metrics.update(self.episodes.metrics(episodes[real]))
         return batches, metrics
+
+    def micro_batch_bounds(self, lengths: list[int]) -> list[tuple[int, int, int]]:
+        """Where this rank's rollout (rows of ``lengths`` tokens, in order) is cut into training
+        micro-batches: ``--micro_train_batch_size`` rows each, or with ``--dynamic_batch`` by
+        the ``--max_tokens_per_gpu`` budget (``token_budget``; collective: every rank cuts each
+        optimizer step's rows into the most micro-batches any rank needs).
+
+        Args:
+            lengths: each row's prompt + completion tokens.
+
+        Returns:
+            ``(first row, end row, optimizer step of the rollout)`` per micro-batch.
+        """
+        steps = self._span // self.grpo.ppo_epochs  # optimizer steps per pass over the rollout
+        per_step = len(lengths) // steps
+        if not self.grpo.dynamic_batch:
+            micro = self.strategy.config.micro_train_batch_size
+            return [(i, min(i + micro, len(lengths)), i // per_step)
+                    for i in range(0, len(lengths), micro)]
+        budget, packed = self.grpo.max_tokens_per_gpu, self.packing
+        own = [fewest_chunks(lengths[s * per_step:(s + 1) * per_step], budget, packed)
+               for s in range(steps)]
+        most = self.strategy.all_reduce(torch.tensor(own), op="max").tolist()
+        return budget_bounds(lengths, steps, budget, packed, most)
 
     def reference_logps(self, batches: list[dict]) -> list[torch.Tensor]:
         """The reference's log-probs of each micro-batch's targets (on the CPU): forwarded here,

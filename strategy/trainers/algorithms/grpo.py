@@ -210,6 +210,7 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
                          eval_dataloader, config, tokenizer)
         self.grpo, self.reward, self.answer_key = grpo, reward, answer_key
         self.packing = packing
+        self.varying_micro_batches = grpo.dynamic_batch  # a token budget's micro-batches
         shared = grpo.shared_prompt_forward  # None: where a forward call does not gather weights
         self.share_prompts = not strategy.config.partitions_parameters if shared is None \
             else shared
@@ -373,10 +374,10 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
             rollout_metrics = {**rollout_metrics, "rollout": (float(number), 1)}
             if steps > 1:  # later steps' micro-batches: the rollout's policy, before any update
                 self.rollout_logps(batches)
-            per_step = len(batches) // steps
+            by_step = [[b for b in batches if b["rollout_step"] == s] for s in range(steps)]
             for _ in range(self.grpo.ppo_epochs):
-                for first in range(0, len(batches), per_step):
-                    yield Step(batches[first:first + per_step], rollout_metrics)
+                for step_batches in by_step:
+                    yield Step(step_batches, rollout_metrics)
 
     # ------------------------------------------------------------ evaluation
     def eval_metrics(self, batch: dict) -> dict:

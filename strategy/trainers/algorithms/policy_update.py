@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from strategy.trainers.algorithms.completions import regrouped, scattered
+from strategy.trainers.algorithms.token_budget import chunk_sizes, fewest_chunks
 from strategy.trainers.loop import Largest
 from strategy.trainers.losses import (
     discounted_returns,
@@ -139,8 +140,10 @@ class PolicyUpdate:
                             ) -> list[torch.Tensor]:
         """``forward``'s per-token outputs (``token_logps``' layout) for each micro-batch, run
         on micro-batches of ``--micro_rollout_batch_size`` rows of the same completions
-        (OpenRLHF's ``--rollout.micro_batch_size``) and laid back out as ``batches``; with none
-        set, on ``batches`` themselves. Every rank holds as many rows, so as many forwards.
+        (OpenRLHF's ``--rollout.micro_batch_size``), or with ``--dynamic_batch`` of the
+        ``--rollout_max_tokens_per_gpu`` budget (collective: the most any rank needs), and laid
+        back out as ``batches``; with neither, on ``batches`` themselves. Every rank runs as
+        many forwards.
 
         Args:
             batches: the rollout's micro-batches (``completion_batch``'s rows).
@@ -150,10 +153,19 @@ class PolicyUpdate:
         Returns:
             One output per micro-batch of ``batches``.
         """
-        size = self.grpo.micro_rollout_batch_size
-        if size is None or not batches:
+        g = self.grpo
+        if not batches or not (g.dynamic_batch or g.micro_rollout_batch_size):
             return forward(batches)
-        parts = regrouped(batches, size, self.tokenizer.pad_token_id)
+        lengths = [int(mask.sum()) for b in batches for mask in b["attention_mask"]]
+        if g.dynamic_batch:  # the experience budget; every rank as many forwards
+            budget = g.rollout_max_tokens_per_gpu or g.max_tokens_per_gpu
+            own = fewest_chunks(lengths, budget, self.packing)
+            sizes = chunk_sizes(lengths, int(self.strategy.all_reduce(own, op="max")),
+                                self.packing)
+        else:
+            size = g.micro_rollout_batch_size
+            sizes = [min(size, len(lengths) - i) for i in range(0, len(lengths), size)]
+        parts = regrouped(batches, sizes, self.tokenizer.pad_token_id)
         if self.packing:  # the forwards skip the padding, as the micro-batches' own would
             for part in parts:
                 part.update(padding_free(part["input_ids"], part["attention_mask"]))

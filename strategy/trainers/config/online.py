@@ -69,6 +69,20 @@ class GRPOConfig:
         "and the sampling policy's log-probs, PPO's values), apart from training's "
         "micro_train_batch_size (OpenRLHF's --rollout.micro_batch_size; None: the training "
         "micro-batches)", None)
+    dynamic_batch: bool = doc(
+        "GRPO: micro-batches by a token budget (--max_tokens_per_gpu) instead of "
+        "--micro_train_batch_size rows: each optimizer step's completions on a rank cut, in "
+        "order, into as few micro-batches as fit the budget, every rank into the most any needs "
+        "(OpenRLHF's --train.dynamic_batch_enable); with loss_weighting step the update equals "
+        "the row-count run's", False)
+    max_tokens_per_gpu: int = doc(
+        "GRPO: --dynamic_batch's budget: tokens a training forward holds (its rows' lengths "
+        "with --packing_samples, rows x the longest otherwise); a longer completion trains "
+        "alone (OpenRLHF's --train.max_tokens_per_gpu)", 16192)
+    rollout_max_tokens_per_gpu: int | None = doc(
+        "GRPO: with --dynamic_batch, the experience forwards' budget, in place of "
+        "--micro_rollout_batch_size (OpenRLHF's --rollout.max_tokens_per_gpu; None: "
+        "--max_tokens_per_gpu)", None)
     max_new_tokens: int = doc("GRPO: longest completion in tokens", 64)
     temperature: float = doc("GRPO: sampling temperature", 1.0)
     top_p: float = doc("GRPO: nucleus sampling mass (< 1: samples from the head, while the "
@@ -328,7 +342,8 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         check_positive(self, "group_size", "ppo_epochs", "max_new_tokens")
-        for name in ("rollout_batch_size", "micro_rollout_batch_size"):
+        for name in ("rollout_batch_size", "micro_rollout_batch_size", "max_tokens_per_gpu",
+                     "rollout_max_tokens_per_gpu"):
             if getattr(self, name) is not None:
                 check_positive(self, name)
         self._check_eval_sampling()

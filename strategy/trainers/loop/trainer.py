@@ -94,6 +94,10 @@ class Trainer:
         ``config_classes``: config dataclasses of its own, parsed from flags and YAML by
             ``Run.from_args(trainer=cls)``.
 
+    A subclass whose steps hold other counts of micro-batches than DeepSpeed's accumulation
+    steps (micro-batches by a token budget) sets ``varying_micro_batches``: the loop then marks
+    each step's last micro-batch as the accumulation boundary of every trained engine.
+
     State a subclass may read: ``strategy``, ``cfg`` (``TrainConfig``), ``tokenizer``,
     ``model`` (the training engine), ``train_dataloader``, ``eval_dataloader``, ``global_step``,
     ``history`` (logged rows), ``last_eval`` (step, metrics), ``step_counts`` and
@@ -137,6 +141,7 @@ class Trainer:
         self.step_counts: dict[str, float] = {}  # items of this step (or evaluation), all ranks
         self.meter = StepMeter(self.model, strategy, self.cfg.peak_tflops)
         self.ema = strategy.create_ema(self.model, self.cfg.ema_beta) if self.cfg.ema_beta else None
+        self.varying_micro_batches = False  # steps of any count of micro-batches
         self._micro_counts: dict[str, float] = {}  # items of the current micro-batch
         self._loss_scale = 1.0  # undoes DeepSpeed's mean over micro-batches and ranks
         self._normalized = False  # whether the last compute_loss called normalize
@@ -405,21 +410,27 @@ class Trainer:
         self._loss_scale = self.strategy.loss_scale
         self.meter.start()
         sums = MetricSums()
-        for batch, counts in self._step_batches(step.batches):
+        micro = self._step_batches(step.batches)
+        for index, (batch, counts) in enumerate(micro):
             self._set_micro_counts(counts)
+            if self.varying_micro_batches:  # DeepSpeed steps after the step's last one
+                for engine in self.trained_engines().values():
+                    self.strategy.accumulation_boundary(engine, index == len(micro) - 1)
             loss, metrics = self.compute_loss(batch)
-            sums.add({**self._backward_and_step(loss), **metrics})
+            sums.add({**self._backward_and_step(loss, len(micro)), **metrics})
         sums.add_totals(step.metrics)
         return self._after_step(epoch, sums)
 
-    def _backward_and_step(self, loss: torch.Tensor | dict) -> dict[str, float]:
-        """Backward and (at the accumulation boundary) step each engine; the logged losses."""
+    def _backward_and_step(self, loss: torch.Tensor | dict, count: int) -> dict[str, float]:
+        """Backward and (at the accumulation boundary) step each engine; the logged losses (a
+        mean over the step's ``count`` micro-batches: each weighted as DeepSpeed weighs it,
+        1 / its accumulation steps)."""
         losses = loss if isinstance(loss, dict) else {MAIN: loss}
-        logged = {}
+        logged, share = {}, count / self.strategy.accumulation_steps
         for name, engine in self.trained_engines().items():
             self.strategy.backward(losses[name], engine)
             self.strategy.optimizer_step(engine)
-            value = self.strategy.sequence_sum(losses[name].detach()).item()  # slices add up
+            value = self.strategy.sequence_sum(losses[name].detach()).item() * share
             logged["loss" if name == MAIN else f"{name}_loss"] = value
         return logged
 
