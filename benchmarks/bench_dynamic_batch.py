@@ -15,8 +15,8 @@ vocabulary 32000, fp32) and weights. Count-based: micro-batches of ``--micro`` r
 Token budget: the step cut by ``token_budget.budget_bounds`` with a budget of what a count-based
 micro-batch may hold at most (``--micro`` x the longest row's tokens): the same memory ceiling.
 Each shape twice: padded forwards (sdpa; a micro-batch's tokens are rows x its longest) and
-padding-free ones (``--packing_samples``, sdpa_varlen; the sum of lengths). Each warms up once, then they
-alternate, the order swapping every round; every round checks both give the same gradient
+padding-free ones (``--packing_samples``, sdpa_varlen; the sum of lengths). Each warms up once,
+then they alternate, the order swapping every round; every round checks both give the same gradient
 (1e-4). Figure: useful (non-padding) tokens per second of the step, median [min-max] over rounds,
 and budget / count round by round.
 """

@@ -33,6 +33,9 @@ PAGES = [  # (results file, page, the block's first line, the script, what rende
     ("run_grpo", "README.md",
      "<!-- bench_run_grpo: python benchmarks/bench_run_grpo.py --readme -->", "bench_run_grpo",
      "readme"),
+    ("dynamic_batch", "docs/benchmarks.md",
+     "<!-- bench_dynamic_batch: python benchmarks/bench_dynamic_batch.py --docs -->",
+     "bench_dynamic_batch", "docs"),
 ]
 
 

@@ -587,6 +587,45 @@ def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(clus
 
 @needs_ray
 @pytest.mark.slow
+def test_a_node_that_dies_is_one_line_naming_it_and_the_job_ends(cluster, toy):
+    """Once training runs, the cluster's other node (not the head) dies (its raylet and every
+    process on it killed, as a machine lost): the job ends in one line naming a group's rank on
+    that node and that it died (the reference group's there, asked by the actor ranks; or an
+    actor rank's, where the reference sits on the head), exit 1, and every actor and placement
+    group of the job is gone. The node joins again after."""
+    name = "node_dead"
+    dead: dict = {}
+
+    def lose_the_worker_node(proc):
+        node = next(iter(cluster.worker_nodes))
+        dead["id"] = node.node_id
+        cluster.remove_node(node, allow_graceful=False)
+
+    try:
+        job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", "--ref.num_gpus_per_node", "1",
+                                 "--algo.advantage.estimator", "group_norm",
+                                 *_flags(toy, name, vllm_num_engines=None, rollout_engine="hf",
+                                         vllm_enforce_eager=None, vllm_timeout=None,
+                                         max_steps=6)],
+                       watch=_act_once_trained(toy, name, 1, lose_the_worker_node))
+    finally:
+        if len(cluster.worker_nodes) < 1:  # the next tests' second node
+            cluster.add_node(num_cpus=4, num_gpus=2)
+            cluster.wait_for_nodes()
+    assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
+    where = json.loads((toy / name / "logs" / "placement.json").read_text())
+    on_dead = [f"{group} rank" for group in ("actor", "ref")
+               if any(r["node_id"] == dead["id"] for r in where[group])]
+    assert on_dead, where  # the dead node held the reference or the actor ranks
+    line = job.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "Traceback" not in job.stderr[-2000:], job.stderr[-3000:]
+    assert f"{dead['id'][:8]})" in line and " died: " in line, line
+    assert len(_history(toy, name)) < 6  # it stopped
+    assert _all_free(cluster), "the job's actors or placement groups still hold resources"
+
+
+@needs_ray
+@pytest.mark.slow
 def test_an_engine_that_cannot_start_is_one_line_and_leaves_nothing(cluster, toy):
     """An engine actor whose KV cache does not fit its node (``--vllm_cpu_kv_cache_gb 100000``)
     fails its start: one line naming the engine and our flag (not vLLM's environment variable),
