@@ -614,12 +614,18 @@ def test_a_node_that_dies_is_one_line_naming_it_and_the_job_ends(cluster, toy):
             cluster.wait_for_nodes()
     assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
     where = json.loads((toy / name / "logs" / "placement.json").read_text())
-    on_dead = [f"{group} rank" for group in ("actor", "ref")
-               if any(r["node_id"] == dead["id"] for r in where[group])]
-    assert on_dead, where  # the dead node held the reference or the actor ranks
+    held = {group: [r for r in where[group] if r["node_id"] == dead["id"]]
+            for group in ("actor", "ref")}
     line = job.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ") and "Traceback" not in job.stderr[-2000:], job.stderr[-3000:]
-    assert f"{dead['id'][:8]})" in line and " died: " in line, line
+    if held["actor"]:  # the actor ranks were on it: the driver names the one that died
+        rank = held["actor"][0]
+        assert line.startswith(f"error: actor group rank {rank['rank']} (node {rank['ip']} "
+                               f"{dead['id'][:8]}) died: "), line
+    else:  # the reference was: the actor rank asking it names it
+        assert held["ref"], where
+        assert (f": reference group rank 0 (node {held['ref'][0]['ip']} {dead['id'][:8]}) "
+                "died: ") in line, line
     assert len(_history(toy, name)) < 6  # it stopped
     assert _all_free(cluster), "the job's actors or placement groups still hold resources"
 
