@@ -280,8 +280,8 @@ def test_reward_model_under_sequence_parallelism_is_refused_before_process_group
 
 
 def test_openrlhf_logging_flags_keep_their_meaning(monkeypatch):
+    from strategy.cli.dotted import openrlhf_argv, wandb_key_taken
     from strategy.trainers.config import TrainConfig
-    from strategy.trainers.run import openrlhf_argv, wandb_key_taken
 
     assert TrainConfig(use_tensorboard="tb/run1").log_dir == "tb/run1"
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

@@ -208,7 +208,7 @@ def test_every_openrlhf_flag_is_mapped_or_refused_and_each_mapping_sets_our_fiel
     """Each flag of OpenRLHF 0.11's train_sft/rm/dpo/ppo_ray parsers is in exactly one table
     (mapped, refused, or taken for the device's value); each mapped one, given a value, sets
     the field it names on our trainer's parser to it."""
-    from strategy.cli.dotted import dotted_argv
+    from strategy.cli.dotted import dotted_argv, openrlhf_argv
     from strategy.cli.openrlhf_flags import (
         DEVICE_FLAGS,
         DOTTED,
@@ -219,7 +219,7 @@ def test_every_openrlhf_flag_is_mapped_or_refused_and_each_mapping_sets_our_fiel
     )
     from strategy.cli.trainers import TRAINERS
     from strategy.errors import ConfigError
-    from strategy.trainers.run import flag_names, foreign_flags, openrlhf_argv
+    from strategy.trainers.run import flag_names, foreign_flags
 
     assert set(PARSERS) == set(OURS)
     checked = 0
@@ -264,8 +264,7 @@ def test_every_openrlhf_flag_is_mapped_or_refused_and_each_mapping_sets_our_fiel
 
 
 def test_dotted_flags_set_the_same_settings_through_a_real_parse():
-    from strategy.cli.dotted import dotted_argv
-    from strategy.trainers.run import openrlhf_argv
+    from strategy.cli.dotted import dotted_argv, openrlhf_argv
 
     argv = dotted_argv(["--ds.zero_stage", "3", "--ds.packing_samples", "--optim", "adam",
                         "--ds.lora.target_modules", "q_proj", "v_proj", "--train.max_epochs",

@@ -1,8 +1,10 @@
-"""OpenRLHF 0.11's flag spellings (``--ds.zero_stage 3``, ``--optim adam``) in ours, before
-parsing: the tables of ``openrlhf_flags`` say what each becomes, or why it is refused."""
+"""OpenRLHF 0.11's flag spellings (``--ds.zero_stage 3``, ``--optim adam``, ``--target_modules
+q_proj v_proj``, ``--use_wandb TOKEN``) in ours, before parsing: the tables of ``openrlhf_flags``
+say what each becomes, or why it is refused. Every OpenRLHF translation is here or there."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from strategy.cli.openrlhf_flags import (
@@ -50,6 +52,34 @@ def dotted_argv(argv: list[str], command: str | None = None) -> list[str]:
             out.append(arg)  # ours, or unknown: the parser refuses it with a close match
             continue
         out.extend(_translate(name, table[name], [inline] if eq else [], rest))
+    return out
+
+
+def openrlhf_argv(argv: list[str]) -> list[str]:
+    """OpenRLHF's multi-value spellings as ours: ``--target_modules q_proj v_proj`` becomes
+    ``--target_modules q_proj,v_proj``; ``--use_wandb TOKEN`` as in ``wandb_key_taken``."""
+    out: list[str] = []
+    for arg in wandb_key_taken(argv):
+        if len(out) >= 2 and out[-2] == "--target_modules" and not arg.startswith("-"):
+            out[-1] = f"{out[-1]},{arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def wandb_key_taken(argv: list[str]) -> list[str]:
+    """OpenRLHF's ``--use_wandb TOKEN`` (or ``--use_wandb True``): the token becomes
+    ``WANDB_API_KEY`` (what ``wandb.login`` reads) and the flag our plain ``--use_wandb``."""
+    out = []
+    for arg in argv:
+        if out and out[-1] == "--use_wandb" and not arg.startswith("-"):
+            if arg.lower() not in ("true", "1"):
+                os.environ["WANDB_API_KEY"] = arg
+            continue
+        if arg.startswith("--use_wandb="):
+            out.extend(wandb_key_taken(["--use_wandb", arg.partition("=")[2]]))
+            continue
+        out.append(arg)
     return out
 
 

@@ -17,7 +17,7 @@ here are full names). A few flags are still undotted in 0.11 and appear here by 
 
 - ``DOTTED``: flag -> the argv tokens it becomes here. Each ``{}`` takes one of the flag's
   values, in order (``adam.betas`` has two). ``ds.lora.target_modules`` takes any number: its one
-  ``{}`` is the first, the others follow it as they are (``run.openrlhf_argv`` joins
+  ``{}`` is the first, the others follow it as they are (``dotted.openrlhf_argv`` joins
   ``--target_modules q_proj v_proj``). A store_true flag has no ``{}``; an empty tuple is something
   this framework always does (nothing to pass). Trailing comments name differences in detail,
   mostly defaults, which are not translated: a flag OpenRLHF's command line leaves out keeps our
@@ -71,7 +71,7 @@ DOTTED: dict[str, tuple[str, ...]] = {
     "eval.steps": ("--eval_steps", "{}"),
     # here the default is ./outputs/logs (OpenRLHF: no TensorBoard); metrics.jsonl goes there too
     "logger.tensorboard_dir": ("--log_dir", "{}"),
-    # the key becomes WANDB_API_KEY (run.openrlhf_argv); offline unless WANDB_MODE=online
+    # the key becomes WANDB_API_KEY (dotted.openrlhf_argv); offline unless WANDB_MODE=online
     "logger.wandb.key": ("--use_wandb", "{}"),
     # ---- batch sizes, length, seed, launcher
     "train.micro_batch_size": ("--micro_train_batch_size", "{}"),  # per rank, both

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from strategy.cli.dotted import dotted_argv
+from strategy.cli.dotted import dotted_argv, openrlhf_argv
 from strategy.dist import install_one_line_errors
 from strategy.trainers.run import commands
 
@@ -26,8 +26,8 @@ TRAINERS = {name: (commands()[name], about) for name, about in SUMMARIES.items()
 
 def command_argv(argv: Sequence[str] | None,
                  command: str | None = None) -> list[str]:
-    """A command's arguments (``sys.argv`` when None) with OpenRLHF's dotted flags in our
-    spellings (``dotted.dotted_argv``).
+    """A command's arguments (``sys.argv`` when None) with OpenRLHF's dotted flags and
+    multi-value spellings in ours (``dotted.dotted_argv``, ``dotted.openrlhf_argv``).
 
     Args:
         argv: the command line without the program name.
@@ -37,4 +37,4 @@ def command_argv(argv: Sequence[str] | None,
         The translated arguments.
     """
     install_one_line_errors()  # a refused flag is one line, as Run.from_args's errors are
-    return dotted_argv(list(sys.argv[1:] if argv is None else argv), command)
+    return openrlhf_argv(dotted_argv(list(sys.argv[1:] if argv is None else argv), command))

@@ -22,12 +22,11 @@ def configs(command: str, argv: list[str]) -> dict:
         commands,
         foreign_flags,
         hidden_flags,
-        openrlhf_argv,
     )
 
     trainer = commands()[command]
     parsed, _ = parse_configs(list(CONFIG_CLASSES + tuple(trainer.config_classes)),
-                              openrlhf_argv(argv), None, foreign_flags(trainer),
+                              argv, None, foreign_flags(trainer),
                               hidden_flags(trainer))
     cluster = next(c for c in parsed if isinstance(c, ClusterConfig))
     saved = os.environ.get("WORLD_SIZE")

@@ -130,7 +130,7 @@ class Run:
         Raises:
             ConfigError: a setting is invalid (one line naming it and the fix).
         """
-        argv = openrlhf_argv(list(sys.argv[1:] if argv is None else argv))
+        argv = list(sys.argv[1:] if argv is None else argv)
         foreign = foreign_flags(trainer) if foreign is None else foreign
         extra = tuple(getattr(trainer, "config_classes", ()))
         configs, namespace = parse_configs(list(CONFIG_CLASSES + extra), argv, parser, foreign,
@@ -373,34 +373,6 @@ def foreign_flags(trainer: type | None) -> dict[str, str]:
 
 def _join(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
-
-
-def openrlhf_argv(argv: list[str]) -> list[str]:
-    """OpenRLHF's multi-value spellings as ours: ``--target_modules q_proj v_proj`` becomes
-    ``--target_modules q_proj,v_proj``; ``--use_wandb TOKEN`` as in ``wandb_key_taken``."""
-    out: list[str] = []
-    for arg in wandb_key_taken(argv):
-        if len(out) >= 2 and out[-2] == "--target_modules" and not arg.startswith("-"):
-            out[-1] = f"{out[-1]},{arg}"
-        else:
-            out.append(arg)
-    return out
-
-
-def wandb_key_taken(argv: list[str]) -> list[str]:
-    """OpenRLHF's ``--use_wandb TOKEN`` (or ``--use_wandb True``): the token becomes
-    ``WANDB_API_KEY`` (what ``wandb.login`` reads) and the flag our plain ``--use_wandb``."""
-    out = []
-    for arg in argv:
-        if out and out[-1] == "--use_wandb" and not arg.startswith("-"):
-            if arg.lower() not in ("true", "1"):
-                os.environ["WANDB_API_KEY"] = arg
-            continue
-        if arg.startswith("--use_wandb="):
-            out.extend(wandb_key_taken(["--use_wandb", arg.partition("=")[2]]))
-            continue
-        out.append(arg)
-    return out
 
 
 def check_paths(model: ModelConfig, train: TrainConfig, data_cfg: DataConfig,
