@@ -19,7 +19,7 @@ from strategy.trainers.config.common import check_sampling, positive
 OUTCOME_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline")
 GROUPED = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")  # baselines from the group
 POLICY_LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-POLICY_LOSS_TYPES = ("ppo", "gspo", "cispo")  # losses.formulas.grpo_token_losses
+POLICY_LOSS_TYPES = ("ppo", "gspo", "cispo")  # their formulas: losses.formulas.grpo_token_losses
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from strategy.model import IGNORE_INDEX as IGNORE
+from strategy.trainers.config import POLICY_LOSS_TYPES
 from strategy.trainers.losses.advantages import kl_estimate, outcome_advantages
 
 
@@ -132,9 +133,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     (unbiased) standard deviation plus ``eps``; a group of equal rewards gets zeros. ``rewards``
     holds consecutive groups of ``group_size`` (``outcome_advantages``' ``group_norm``)."""
     return outcome_advantages(rewards, group_size, "group_norm", eps)
-
-
-POLICY_LOSS_TYPES = ("ppo", "gspo", "cispo")
 
 
 def grpo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
