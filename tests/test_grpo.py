@@ -366,6 +366,20 @@ def test_a_token_budget_cuts_rows_in_order_into_as_few_micro_batches_as_fit():
         (0, 1, 0), (1, 2, 0), (2, 4, 0), (4, 5, 1), (5, 6, 1), (6, 8, 1)]
 
 
+def test_a_rollouts_micro_batches_go_to_their_optimizer_steps():
+    """``by_step``: runs of the same ``rollout_step`` (the experience stage's cut: any count
+    each, and one step's alone when a subclass feeds a later step's as a rollout of its own),
+    else equal runs in order (a subclass's micro-batches that carry none)."""
+    from strategy.trainers.algorithms.grpo import by_step
+
+    cut = [{"rollout_step": s, "i": i} for i, s in enumerate([0, 0, 0, 1, 1])]
+    assert [[b["i"] for b in run] for run in by_step(cut, 2)] == [[0, 1, 2], [3, 4]]
+    fed = [{"rollout_step": 1, "i": i} for i in range(2)]  # a later step fed as a rollout
+    assert [[b["i"] for b in run] for run in by_step(fed, 1)] == [[0, 1]]
+    own = [{"i": i} for i in range(4)]
+    assert [[b["i"] for b in run] for run in by_step(own, 2)] == [[0, 1], [2, 3]]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_micro_batches_by_a_token_budget_give_the_count_based_updates(ranks, toy, stage):

@@ -47,6 +47,7 @@ spans ``ppo_epochs`` of them.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -71,6 +72,16 @@ from strategy.trainers.data.spec import prompts_per_rank
 from strategy.trainers.loop import Step, StepPlan, Trainer, plan_steps
 
 Reward = Callable[[list[str], list[str], list[dict]], list[float]]
+
+
+def by_step(batches: list[dict], steps: int) -> list[list[dict]]:
+    """A rollout's micro-batches in its ``steps`` optimizer steps: runs of the same
+    ``rollout_step`` (the experience stage's cut, of any count each under ``--dynamic_batch``),
+    or, for micro-batches that carry none (a subclass's own), equal runs in order."""
+    if all("rollout_step" in b for b in batches):
+        return [list(run) for _, run in itertools.groupby(batches, lambda b: b["rollout_step"])]
+    per_step = len(batches) // steps
+    return [batches[i:i + per_step] for i in range(0, len(batches), per_step)]
 
 
 def check_grpo(strategy_config: Any, train: Any, grpo: GRPOConfig, max_len: int,
@@ -374,9 +385,8 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
             rollout_metrics = {**rollout_metrics, "rollout": (float(number), 1)}
             if steps > 1:  # later steps' micro-batches: the rollout's policy, before any update
                 self.rollout_logps(batches)
-            by_step = [[b for b in batches if b["rollout_step"] == s] for s in range(steps)]
             for _ in range(self.grpo.ppo_epochs):
-                for step_batches in by_step:
+                for step_batches in by_step(batches, steps):
                     yield Step(step_batches, rollout_metrics)
 
     # ------------------------------------------------------------ evaluation
