@@ -606,8 +606,8 @@ def test_a_node_that_dies_is_one_line_naming_it_and_the_job_ends(cluster, toy):
                                  "--algo.advantage.estimator", "group_norm",
                                  *_flags(toy, name, vllm_num_engines=None, rollout_engine="hf",
                                          vllm_enforce_eager=None, vllm_timeout=None,
-                                         max_steps=6)],
-                       watch=_act_once_trained(toy, name, 1, lose_the_worker_node))
+                                         max_epochs=40, max_steps=200)],  # minutes: it cannot
+                       watch=_act_once_trained(toy, name, 1, lose_the_worker_node))  # end first
     finally:
         if len(cluster.worker_nodes) < 1:  # the next tests' second node
             cluster.add_node(num_cpus=4, num_gpus=2)
@@ -626,7 +626,7 @@ def test_a_node_that_dies_is_one_line_naming_it_and_the_job_ends(cluster, toy):
         assert held["ref"], where
         assert (f": reference group rank 0 (node {held['ref'][0]['ip']} {dead['id'][:8]}) "
                 "died: ") in line, line
-    assert len(_history(toy, name)) < 6  # it stopped
+    assert len(_history(toy, name)) < 200  # it stopped
     assert _all_free(cluster), "the job's actors or placement groups still hold resources"
 
 
