@@ -27,7 +27,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from figures import commit_measured, paragraph, row, write_rows  # noqa: E402 - ours
+from figures import commit_measured, measured, paragraph, row, write_rows  # noqa: E402 - ours
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results", "ci.json")
@@ -92,8 +92,7 @@ def docs(rows: list[dict]) -> str:
     """docs/ci.md's block: each round as measured."""
     by = {r["figure"]: r for r in rows}
     first = rows[0]
-    lines = [f"Measured {first['date']} at {first['commit']} ({first['machine']}), "
-             f"`{first['command']}`:", "",
+    lines = [f"{measured(first)}:", "",
              "| round | wall | setup and the rest (wall - tests) | tests | passed | skipped | "
              "failed | exit |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]

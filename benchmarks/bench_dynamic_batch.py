@@ -33,7 +33,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rl_packing import MODEL  # noqa: E402 - the same model as the packing benchmark
-from figures import commit_measured, row, span, write_rows  # noqa: E402 - the benchmarks' own
+from figures import (  # noqa: E402 - the benchmarks' own
+    commit_measured,
+    measured,
+    row,
+    span,
+    write_rows,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results", "dynamic_batch.json")
@@ -121,8 +127,7 @@ def docs(rows: list[dict]) -> str:
     """docs/benchmarks.md's block: tokens/s each way, and the per-round ratio."""
     by = {r["figure"]: r for r in rows}
     first = rows[0]
-    lines = [f"Measured {first['date']} at {first['commit']} ({first['machine']}), "
-             f"`{first['command']}`, {first['rounds']} rounds (median [min-max]):", "",
+    lines = [f"{measured(first)}, {first['rounds']} rounds (median [min-max]):", "",
              "| completion lengths | forwards | micro-batches (count / budget) | count-based "
              "tokens/s | token-budget tokens/s | budget / count, per round |",
              "| --- | --- | --- | --- | --- | --- |"]

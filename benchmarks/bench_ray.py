@@ -40,7 +40,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from figures import commit_measured, row  # noqa: E402 - the benchmarks' own helpers
+from figures import commit_measured, measured, row  # noqa: E402 - the benchmarks' own helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIDES = ("torchrun", "ray_one_node", "ray_two_nodes")
@@ -208,8 +208,7 @@ def markdown(rows: list[dict]) -> str:
     page against the file)."""
     by = {r["figure"]: r for r in rows}
     first = rows[0]
-    lines = [f"Measured {first['date']} at {first['commit']} ({first['machine']}), "
-             f"`{first['command']}`, {first['rounds']} rounds; median [range]:", "",
+    lines = [f"{measured(first)}, {first['rounds']} rounds; median [range]:", "",
              "| side | steps/s | weight sync s | job s | driver RSS MB | cluster start s | "
              "steps/s vs torchrun (per round) |", "| --- | --- | --- | --- | --- | --- | --- |"]
 

@@ -53,6 +53,12 @@ def write_rows(path: str, rows: list[dict]) -> None:
     print(f"written to {path}")
 
 
+def measured(row: dict) -> str:
+    """Where, when and how a results file's rows were measured, as the docs' blocks open."""
+    return (f"Measured {row['date']} at {row['commit']} ({row['machine']}), "
+            f"`{row['command']}`")
+
+
 def span(row: dict, fmt: str) -> str:
     """A row's range as text (one value when both ends read alike)."""
     low, high = (f"{v:{fmt}}" for v in row["range"])

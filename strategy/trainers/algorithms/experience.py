@@ -20,7 +20,7 @@ from strategy.trainers.algorithms.completions import (
 )
 from strategy.trainers.algorithms.episodes import turn_values
 from strategy.trainers.algorithms.groups import Sampled, deal, informative
-from strategy.trainers.algorithms.token_budget import budget_bounds, fewest_chunks
+from strategy.trainers.algorithms.token_budget import agreed_bounds
 from strategy.trainers.losses import (
     length_shaped_rewards,
     padding_free,
@@ -294,16 +294,12 @@ class ExperienceMaker:
             ``(first row, end row, optimizer step of the rollout)`` per micro-batch.
         """
         steps = self._span // self.grpo.ppo_epochs  # optimizer steps per pass over the rollout
-        per_step = len(lengths) // steps
         if not self.grpo.dynamic_batch:
-            micro = self.strategy.config.micro_train_batch_size
+            micro, per_step = self.strategy.config.micro_train_batch_size, len(lengths) // steps
             return [(i, min(i + micro, len(lengths)), i // per_step)
                     for i in range(0, len(lengths), micro)]
-        budget, packed = self.grpo.max_tokens_per_gpu, self.packing
-        own = [fewest_chunks(lengths[s * per_step:(s + 1) * per_step], budget, packed)
-               for s in range(steps)]
-        most = self.strategy.all_reduce(torch.tensor(own), op="max").tolist()
-        return budget_bounds(lengths, steps, budget, packed, most)
+        return agreed_bounds(self.strategy, lengths, steps, self.grpo.max_tokens_per_gpu,
+                             self.packing)
 
     def reference_logps(self, batches: list[dict]) -> list[torch.Tensor]:
         """The reference's log-probs of each micro-batch's targets (on the CPU): forwarded here,

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from strategy.trainers.algorithms.completions import regrouped, scattered
-from strategy.trainers.algorithms.token_budget import chunk_sizes, fewest_chunks
+from strategy.trainers.algorithms.token_budget import agreed_bounds
 from strategy.trainers.loop import Largest
 from strategy.trainers.losses import (
     discounted_returns,
@@ -159,9 +159,8 @@ class PolicyUpdate:
         lengths = [int(mask.sum()) for b in batches for mask in b["attention_mask"]]
         if g.dynamic_batch:  # the experience budget; every rank as many forwards
             budget = g.rollout_max_tokens_per_gpu or g.max_tokens_per_gpu
-            own = fewest_chunks(lengths, budget, self.packing)
-            sizes = chunk_sizes(lengths, int(self.strategy.all_reduce(own, op="max")),
-                                self.packing)
+            sizes = [end - first for first, end, _ in agreed_bounds(
+                self.strategy, lengths, 1, budget, self.packing)]
         else:
             size = g.micro_rollout_batch_size
             sizes = [min(size, len(lengths) - i) for i in range(0, len(lengths), size)]

@@ -11,6 +11,10 @@ rollout's order (a group's completions stay together; OpenRLHF balances over a r
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+
 
 def forward_tokens(lengths: list[int], packed: bool) -> int:
     """The tokens a forward of rows of ``lengths`` processes (``packed``: no padding)."""
@@ -70,6 +74,17 @@ def chunk_sizes(lengths: list[int], count: int, packed: bool) -> list[int]:
     return sizes
 
 
+def _runs(lengths: list[int], steps: int) -> list[list[int]]:
+    """``lengths`` as ``steps`` equal runs, in order (each optimizer step's rows)."""
+    per_step = len(lengths) // steps
+    return [lengths[s * per_step:(s + 1) * per_step] for s in range(steps)]
+
+
+def step_counts(lengths: list[int], steps: int, budget: int, packed: bool) -> list[int]:
+    """``fewest_chunks`` of each optimizer step's rows (``steps`` equal runs of ``lengths``)."""
+    return [fewest_chunks(run, budget, packed) for run in _runs(lengths, steps)]
+
+
 def budget_bounds(lengths: list[int], steps: int, budget: int, packed: bool,
                   most: list[int] | None = None) -> list[tuple[int, int, int]]:
     """Each optimizer step's rows (``steps`` equal runs of ``lengths``) cut into micro-batches.
@@ -85,12 +100,19 @@ def budget_bounds(lengths: list[int], steps: int, budget: int, packed: bool,
     Returns:
         ``(first row, end row, step)`` per micro-batch, in order.
     """
-    per_step = len(lengths) // steps
-    runs = [lengths[s * per_step:(s + 1) * per_step] for s in range(steps)]
-    counts = most or [fewest_chunks(run, budget, packed) for run in runs]
+    counts = most or step_counts(lengths, steps, budget, packed)
     bounds, start = [], 0
-    for step, (run, count) in enumerate(zip(runs, counts)):
+    for step, (run, count) in enumerate(zip(_runs(lengths, steps), counts)):
         for size in chunk_sizes(run, count, packed):
             bounds.append((start, start + size, step))
             start += size
     return bounds
+
+
+def agreed_bounds(strategy: Any, lengths: list[int], steps: int, budget: int,
+                  packed: bool) -> list[tuple[int, int, int]]:
+    """``budget_bounds`` with each step cut into the most micro-batches any rank needs
+    (collective: every rank calls it alike, so their forwards pair up)."""
+    own = torch.tensor(step_counts(lengths, steps, budget, packed))
+    most = strategy.all_reduce(own, op="max").tolist()
+    return budget_bounds(lengths, steps, budget, packed, most)
