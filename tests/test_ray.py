@@ -290,7 +290,7 @@ def _flags(root, name: str, **extra) -> list[str]:
     return [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items() if v is not None]
 
 
-STOPPED_TIMEOUT_S = 20  # the stopped engine's case: its call's deadline and its teardown's
+STOPPED_TIMEOUT_S = 12  # the stopped engine's case: its call's deadline (steps take < 1 s)
 
 
 def _ray_job(cluster, args: list[str], timeout: float = 400, watch=None, submit=False):
@@ -553,11 +553,15 @@ def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(clus
             proc.send_signal(signal.SIGTERM)
 
     ref = ["--ref.num_gpus_per_node", "1"] if fault == "ref_killed" else []
-    job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", "--vllm.num_engines", "1",
+    # a rank's or the reference's death: the hf engine (an engine's teardown beside a failed
+    # job is the other cases')
+    engine = (["--vllm.num_engines", "1"], {"vllm_timeout": STOPPED_TIMEOUT_S
+                                             if fault == "engine_stopped" else 120}) \
+        if fault.startswith(("engine", "driver")) else \
+        ([], {"rollout_engine": "hf", "vllm_enforce_eager": None, "vllm_timeout": None})
+    job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", *engine[0],
                              "--algo.advantage.estimator", "group_norm", *ref,
-                             *_flags(toy, name, vllm_num_engines=None, max_steps=6,
-                                     vllm_timeout=STOPPED_TIMEOUT_S if fault == "engine_stopped"
-                                     else 120)],
+                             *_flags(toy, name, vllm_num_engines=None, max_steps=6, **engine[1])],
                    watch=_act_once_trained(toy, name, 1, stop))
     lines = job.stderr.strip().splitlines()
     if fault == "engine_killed":

@@ -31,6 +31,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 from transformers import GenerationConfig
 
 from strategy.dist import checked, first_line, free_port
@@ -91,9 +92,15 @@ class VllmEngine:
         self.shm_files: set[str] = set()  # what ``_record_shm`` noted so far
         # the engine's temp files (vLLM's file store, vllm_dist_*) in a folder of its own, which
         # the driver removes on this node when the actor was killed (``remove_engine_files``)
+        cache = cache_dir()  # torch's compile cache: the node's (sets TORCHINDUCTOR_CACHE_DIR)
         self.scratch = tempfile.mkdtemp(prefix="strategy-vllm-engine-")
         os.environ["TMPDIR"] = self.scratch
         tempfile.tempdir = None  # read TMPDIR again
+        # torch puts its precompiled header in <temp folder>/torchinductor_<user> whatever the
+        # variable says: linked to the node's cache, the engine's processes compile it once per
+        # node, not at every engine's first generate (~5 s of one core); the link goes with the
+        # folder
+        os.symlink(cache, default_cache_dir())
 
     def where(self) -> dict:
         """Where Ray placed this engine: node id and address, devices, process, temp folder."""
@@ -271,16 +278,18 @@ class RayVllmRollout(VllmRollout):
         with deadline(seconds, f"the {self.describe(self.rank)} ({name})"):
             return checked(fn, make=engine_failure(self.describe, name))
 
-    def _get(self, refs: list, call: str) -> list:
-        """The engines' answers, within ``--vllm_timeout``; a dead engine, an error in one or a
-        wait past the deadline as one line naming the engine and its node."""
+    def _get(self, refs: list, call: str, engines: list[int] | None = None) -> list:
+        """The answers of engines ``engines`` (all, in order, by default) to ``refs``, within
+        ``--vllm_timeout``; a dead engine, an error in one or a wait past the deadline as one
+        line naming the engine and its node."""
         import ray  # the optional extra: a Ray job only
 
         out = []
-        for index, ref in enumerate(refs):
+        for index, ref in zip(engines or range(len(refs)), refs):
             try:
                 out.append(ray.get(ref, timeout=self.config.vllm_timeout))
             except ray.exceptions.GetTimeoutError:
+                self._end_hung(index)
                 raise TimeoutError(f"engine {index} did not answer {call} within "
                                    f"--vllm_timeout={self.config.vllm_timeout:g} s") from None
             except ray.exceptions.RayActorError as exc:
@@ -291,6 +300,14 @@ class RayVllmRollout(VllmRollout):
                 raise RuntimeError(f"engine {index} failed in {call}: "
                                    f"{type(cause).__name__}: {first_line(cause)}") from None
         return out
+
+    def _end_hung(self, index: int) -> None:
+        """Engine ``index`` missed its deadline (stopped, hung): its actor is killed now, as it
+        would be at the teardown after another ``--vllm_timeout`` of waiting on its shutdown;
+        the driver removes what it left (``remove_engine_files``)."""
+        import ray  # the optional extra: a Ray job only
+
+        ray.kill(self.engines[index])
 
     def _start(self, config_json: str, dtype: str, max_model_len: int, seed: int) -> None:
         """On rank 0: every engine started, then the sync's group joined by all their
@@ -318,7 +335,7 @@ class RayVllmRollout(VllmRollout):
         if refs:  # an engine already gone fails now, not at the group's timeout (a short
             # look: a live engine's call ends only after the stream, so this wait is paid in full)
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=SYNC_LOOK_S)
-            self._get(done, "sync")
+            self._get(done, "sync", [refs.index(ref) for ref in done])
         stream = self._weights(copy=False)  # every rank enters every gather
         if self.rank == 0:
             try:
@@ -326,9 +343,10 @@ class RayVllmRollout(VllmRollout):
             except Exception:  # an engine gone mid-stream: that, not the broken pipe; one
                 # that never took it (stopped, hung) already had --vllm_timeout to do so
                 done, _ = ray.wait(refs, num_returns=len(refs), timeout=STREAM_ANSWER_S)
-                self._get(done, "sync")
+                self._get(done, "sync", [refs.index(ref) for ref in done])
                 late = [refs.index(ref) for ref in refs if ref not in done]
                 if late:
+                    self._end_hung(late[0])
                     raise TimeoutError(f"engine {late[0]} did not take the weight stream within "
                                        f"--vllm_timeout={self.config.vllm_timeout:g} s") from None
                 raise
@@ -346,8 +364,8 @@ class RayVllmRollout(VllmRollout):
 
     def _answer(self, ref: Any) -> Any:
         """The engine's answer to ``_ask`` (every rank alike: an error is raised on all)."""
-        return self._call("generate", lambda: self._get([ref], "generate")[0]
-                          if ref is not None else None)
+        return self._call("generate", lambda: self._get(
+            [ref], "generate", [self.rank // self.per])[0] if ref is not None else None)
 
     def _rows(self, answer: Any, requests: Requests, input_ids: torch.Tensor,
               generation_config: GenerationConfig) -> torch.Tensor:
