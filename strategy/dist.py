@@ -15,6 +15,7 @@ import os
 import random
 import socket
 import sys
+import threading
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -77,6 +78,7 @@ def barrier() -> None:
 
 
 _PORTS_GIVEN: set[int] = set()
+_PORTS_LOCK = threading.Lock()  # two threads asking at once get two ports
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -93,7 +95,12 @@ def free_port() -> int:
     """A free TCP port for a rendezvous, below the kernel's ephemeral range: the kernel never
     numbers a socket there by itself (binding port 0 and closing it gave a port that gloo's own
     connections could take before the launcher bound it), each process starts at its own offset,
-    and one process is never given the same port twice."""
+    and one process is never given the same port twice, from any of its threads."""
+    with _PORTS_LOCK:
+        return _free_port()
+
+
+def _free_port() -> int:
     low, _ = _ephemeral_range()
     first, count = 10000, max(low - 10000, 0)
     start = os.getpid() * 7919 % count if count else 0

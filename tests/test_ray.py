@@ -370,17 +370,21 @@ def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
     against torchrun's ``--async_rollouts 1``."""
     from safetensors.torch import load_file
 
-    from tests.support.helpers import run_job, torchrun_command
+    from tests.support.helpers import run_job, side_by_side, torchrun_command
 
     placement = {"two_nodes": ["--ref.num_nodes", "1", "--ref.num_gpus_per_node", "1"],
                  "colocated_async": ["--train.colocate_all", "--train.async_enable"]}[case]
     extra = {"async_rollouts": 1} if case == "colocated_async" else {}
-    name = f"ray_{case}"
-    job = _ray_job(cluster, ["--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2",
-                             "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
-                             "--algo.advantage.estimator", "group_norm", *placement,
-                             *_flags(toy, name, vllm_num_engines=None)],
-                   submit=case == "two_nodes")
+    name, ref_name = f"ray_{case}", f"torchrun_{case}"
+    job, ref = side_by_side(  # the torchrun path beside: a Ray job leaves a core idle at times
+        lambda: _ray_job(cluster, ["--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2",
+                                   "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
+                                   "--algo.advantage.estimator", "group_norm", *placement,
+                                   *_flags(toy, name, vllm_num_engines=None)],
+                         submit=case == "two_nodes"),
+        lambda: run_job(torchrun_command("-m", "strategy.cli.train_grpo",
+                                         *_flags(toy, ref_name, **extra, vllm_num_engines=0)),
+                        timeout=400))
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
     where = json.loads((toy / name / "logs" / "placement.json").read_text())
     actor_nodes = {rank["node_id"] for rank in where["actor"]}
@@ -399,10 +403,6 @@ def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
                                                          where["actor"][0]["bundle"])
     assert all(len(place["devices"]) == 1 for place in where["actor"] + where["vllm_engines"])
 
-    ref_name = f"torchrun_{case}"
-    ref = run_job(torchrun_command("-m", "strategy.cli.train_grpo",
-                                   *_flags(toy, ref_name, **extra, vllm_num_engines=0)),
-                  timeout=400)
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
     ray_rows, ref_rows = _history(toy, name), _history(toy, ref_name)
     if case == "colocated_async":
@@ -433,20 +433,22 @@ def test_a_reward_model_group_of_its_own_scores_as_the_torchrun_ranks_do(cluster
     (each of the weighted sum's on its own), losses and export to 1e-6."""
     from safetensors.torch import load_file
 
-    from tests.support.helpers import run_job, torchrun_command
+    from tests.support.helpers import run_job, side_by_side, torchrun_command
 
     settings = {"vllm_num_engines": None, "rollout_engine": "hf", "vllm_enforce_eager": None,
                 "vllm_timeout": None, "reward_pretrain": f"{toy}/rm",
                 "reward_weights": "0.5,1.0", "max_steps": 2}
-    job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", "--reward.num_gpus_per_node", "1",
-                             "--algo.advantage.estimator", "group_norm",
-                             *_flags(toy, "ray_rm", **settings)])
+    job, ref = side_by_side(
+        lambda: _ray_job(cluster, ["--actor.num_gpus_per_node", "2",
+                                   "--reward.num_gpus_per_node", "1",
+                                   "--algo.advantage.estimator", "group_norm",
+                                   *_flags(toy, "ray_rm", **settings)]),
+        lambda: run_job(torchrun_command("-m", "strategy.cli.train_grpo",
+                                         *_flags(toy, "torchrun_rm", **settings)), timeout=400))
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
     where = json.loads((toy / "ray_rm" / "logs" / "placement.json").read_text())
     assert [r["rank"] for r in where["reward"]] == [0] and "ref" not in where
     assert where["reward"][0]["node_id"] not in {r["node_id"] for r in where["actor"]}
-    ref = run_job(torchrun_command("-m", "strategy.cli.train_grpo",
-                                   *_flags(toy, "torchrun_rm", **settings)), timeout=400)
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
     ray_rows, ref_rows = _history(toy, "ray_rm"), _history(toy, "torchrun_rm")
     assert [r["step"] for r in ray_rows] == [r["step"] for r in ref_rows] == [1, 2]
@@ -472,7 +474,7 @@ def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(clus
     from both: the critic it exports is the one it loaded, not its start."""
     from safetensors.torch import load_file, save_file
 
-    from tests.support.helpers import run_job, torchrun_command
+    from tests.support.helpers import run_job, side_by_side, torchrun_command
 
     settings = {"vllm_num_engines": None, "rollout_engine": "hf", "vllm_enforce_eager": None,
                 "vllm_timeout": None, "critic_pretrain": f"{toy}/rm", "critic_zero_stage": 2,
@@ -480,15 +482,16 @@ def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(clus
                 "max_steps": 2, "save_steps": 2}
     args = ["--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
             "--algo.advantage.estimator", "gae"]
-    job = _ray_job(cluster, [*args, *_flags(toy, "ray_ppo", **settings)])
+    job, ref = side_by_side(
+        lambda: _ray_job(cluster, [*args, *_flags(toy, "ray_ppo", **settings)]),
+        lambda: run_job(torchrun_command("-m", "strategy.cli.train_ppo",
+                                         *_flags(toy, "torchrun_ppo", **settings)), timeout=400))
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
     where = json.loads((toy / "ray_ppo" / "logs" / "placement.json").read_text())
     assert [r["rank"] for r in where["critic"]] == [0, 1]
     critic_nodes = {r["node_id"] for r in where["critic"]}
     assert len(critic_nodes) == 1 and critic_nodes.isdisjoint(r["node_id"] for r in where["actor"])
     assert (toy / "ray_ppo" / "ckpt_critic" / "global_step2").is_dir()
-    ref = run_job(torchrun_command("-m", "strategy.cli.train_ppo",
-                                   *_flags(toy, "torchrun_ppo", **settings)), timeout=400)
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
     ray_rows, ref_rows = _history(toy, "ray_ppo"), _history(toy, "torchrun_ppo")
     assert [r["step"] for r in ray_rows] == [r["step"] for r in ref_rows] == [1, 2]
