@@ -81,11 +81,15 @@ class Job:
         actor = reserve(self.ray, job.actor, "PACK", timeout, "actor group")
         self.groups.append(actor)
         slots = ordered_bundles(self.ray, actor)
-        for group, bundles in job.groups.items():
-            self._start_group(group, bundles)
+        starting = [self._start_group(group, bundles) for group, bundles in job.groups.items()]
         share = 0.5 if job.colocated else 1.0
-        self._start_engines(job, actor, slots, share)
-        self._start_ranks(job, actor, slots, share)
+        starting += [self._start_engines(job, actor, slots, share),
+                     self._start_ranks(job, actor, slots, share)]
+        # every actor asked for first, then awaited: their processes start (and import) side by
+        # side, not one group after the other
+        for name, entries, refs in starting:
+            for entry, where in zip(entries, self._get(refs, name, "start")):
+                entry.update(where)
 
     def _options(self, group: Any, bundle: int, resources: dict, share: float,
                  env: dict[str, str]) -> dict:
@@ -98,10 +102,11 @@ class Job:
                     placement_group=group, placement_group_bundle_index=bundle),
                 "runtime_env": {"env_vars": env}}
 
-    def _start_engines(self, job: Any, actor: Any, slots: list, share: float) -> None:
+    def _start_engines(self, job: Any, actor: Any, slots: list, share: float) -> tuple:
+        """The engine actors asked for: (name, their placement entries, their ``where`` refs)."""
         n, tp = self.rollout.vllm_num_engines, self.rollout.vllm_tensor_parallel_size
         if not n:
-            return
+            return "vLLM engines", [], []
         if job.colocated:
             group, bundles, resources = actor, [slots[i][0] for i in range(n)], job.actor[0]
         else:
@@ -118,12 +123,11 @@ class Job:
                 **self._options(group, bundle, resources, share, env)).remote(index, tp))
             self.where["vllm_engines"].append({"engine": index, "name": name, "bundle": bundle,
                                                "placement_group": group.id.hex()})
-        for entry, where in zip(self.where["vllm_engines"], self._get(
-                [e.where.remote() for e in self.engines], "vLLM engines", "start")):
-            entry.update(where)
+        return "vLLM engines", self.where["vllm_engines"], [e.where.remote() for e in self.engines]
 
-    def _start_group(self, group: str, bundles: list[dict]) -> None:
-        """A model's group of its own: its placement group and ranks (not yet loaded)."""
+    def _start_group(self, group: str, bundles: list[dict]) -> tuple:
+        """A model's group of its own: its placement group and ranks asked for (not yet loaded),
+        as ``_start_engines``'s."""
         name = GROUP_NAMES[group]
         placed = reserve(self.ray, bundles, "PACK", self.cluster.ray_timeout, name)
         self.groups.append(placed)
@@ -136,9 +140,7 @@ class Job:
                 **self._options(placed, bundle, bundles[0], 1.0, env)).remote())
             self.where[group].append({"rank": rank, "name": actor, "bundle": bundle,
                                       "placement_group": placed.id.hex()})
-        for entry, where in zip(self.where[group], self._get(
-                [r.where.remote() for r in self.members[group]], name, "start")):
-            entry.update(where)
+        return name, self.where[group], [r.where.remote() for r in self.members[group]]
 
     def _load_group(self, group: str) -> None:
         """A group's ranks load its model (their own rendezvous), within ``--ray_timeout``."""
@@ -155,16 +157,16 @@ class Job:
         except self.ray.exceptions.RayError:
             raise RankFailedError(self.first_failure(refs, name, places)) from None
 
-    def _start_ranks(self, job: Any, actor: Any, slots: list, share: float) -> None:
+    def _start_ranks(self, job: Any, actor: Any, slots: list, share: float) -> tuple:
+        """The actor group's ranks asked for, as ``_start_engines``'s."""
         remote = self.ray.remote(TrainingRank)
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        for bundle, _, _ in slots:
+        for rank, (bundle, _, _) in enumerate(slots):
             self.ranks.append(remote.options(
                 **self._options(actor, bundle, job.actor[0], share, env)).remote())
-        places = self._get([r.where.remote() for r in self.ranks], "actor group", "start")
-        for rank, ((bundle, _, _), where) in enumerate(zip(slots, places)):
             self.where["actor"].append({"rank": rank, "bundle": bundle,
-                                        "placement_group": actor.id.hex(), **where})
+                                        "placement_group": actor.id.hex()})
+        return "actor group", self.where["actor"], [r.where.remote() for r in self.ranks]
 
     def _get(self, refs: list, group: str, what: str) -> list:
         try:
@@ -244,8 +246,9 @@ class Job:
         os.replace(path + ".tmp", path)
 
     # ------------------------------------------------------------ teardown
-    def _remove_engine_files(self) -> None:
-        """Each engine's temp folder removed on its node (a killed actor leaves it), bounded."""
+    def _remove_engine_files(self, ended: set[int]) -> None:
+        """The temp folder of each engine not in ``ended`` (killed, or its shutdown failed)
+        removed on its node, bounded; one whose shutdown ended removed its own."""
         from ray.util.scheduling_strategies import (  # the optional extra
             NodeAffinitySchedulingStrategy,  # the optional extra: a Ray job only
         )
@@ -253,7 +256,8 @@ class Job:
         remove = self.ray.remote(num_cpus=0)(remove_engine_files)
         refs = [remove.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
             place["node_id"], soft=False)).remote(place["scratch"])
-            for place in self.where["vllm_engines"] if "scratch" in place]
+            for index, place in enumerate(self.where["vllm_engines"])
+            if "scratch" in place and index not in ended]
         if refs:
             self.ray.wait(refs, num_returns=len(refs), timeout=SHUTDOWN_S)
 
@@ -264,24 +268,34 @@ class Job:
             remove_placement_group,  # the optional extra: a Ray job only
         )
 
-        ray = self.ray
+        ray, ended = self.ray, set()
         if self.engines:
             refs = [engine.shutdown.remote() for engine in self.engines]
             ray.wait(refs, num_returns=len(refs),
                      timeout=min(SHUTDOWN_S, self.rollout.vllm_timeout))
+            ended = {index for index, ref in enumerate(refs) if _ended(ray, ref)}
         members = [rank for ranks in self.members.values() for rank in ranks]
         for handle in self.ranks + members + self.engines:
             try:
                 ray.kill(handle)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        self._remove_engine_files()
+        self._remove_engine_files(ended)
         for group in self.groups:
             try:
                 remove_placement_group(group)
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self.engines, self.ranks, self.members, self.groups = [], [], {}, []
+
+
+def _ended(ray: Any, ref: Any) -> bool:
+    """``ref``'s call returned (an error or no answer yet: False)."""
+    try:
+        ray.get(ref, timeout=0)
+    except Exception:  # noqa: BLE001 - raised, died, or still running
+        return False
+    return True
 
 
 def local_resources(by_type: dict, temp_dir: str) -> dict:
