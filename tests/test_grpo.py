@@ -801,3 +801,26 @@ def test_bad_grpo_setting_fails_before_process_group(toy, monkeypatch, change, m
         Run.from_args(argv, trainer=GRPOTrainer)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_save_and_eval_rollouts_are_the_steps_their_rollouts_span():
+    """``--save_rollouts N`` / ``--eval_rollouts N`` (OpenRLHF's rollout-counted
+    ``--ckpt.save_steps`` / ``--eval.steps``) set ``--save_steps`` / ``--eval_steps`` to N x
+    the optimizer steps of a rollout (ppo_epochs passes over rollout_batch_size x group_size
+    completions in steps of train_batch_size); -1 stays -1; with the step count given too, one
+    line."""
+    from strategy.errors import ConfigError
+    from strategy.trainers.algorithms.grpo import rollout_counted
+    from strategy.trainers.config import GRPOConfig, TrainConfig
+
+    grpo = GRPOConfig(reward_fn="m:f", rollout_batch_size=6, group_size=4, ppo_epochs=2,
+                      save_rollouts=3, eval_rollouts=-1)
+    got = rollout_counted(TrainConfig(), grpo, train_batch_size=8)  # 24 / 8 = 3 steps, twice
+    assert (got.save_steps, got.eval_steps) == (3 * 2 * 3, -1)
+    with pytest.raises(ConfigError, match=r"^save_rollouts=3 is invalid: it sets --save_steps "
+                                          r"\(N rollouts = N x 6 steps\); give one of them$"):
+        rollout_counted(TrainConfig(save_steps=4), grpo, 8)
+    plain = TrainConfig(save_steps=4)
+    assert rollout_counted(plain, GRPOConfig(reward_fn="m:f"), 8) is plain
+    with pytest.raises(ConfigError, match="^eval_rollouts=0 is invalid"):
+        GRPOConfig(reward_fn="m:f", eval_rollouts=0)

@@ -41,12 +41,8 @@ REFUSED = {  # script -> the flags it is refused for here (each with its one lin
     "train_ppo_ray_hybrid_engine.sh": ["--ds.enable_sleep", "--vllm.enable_sleep"],
     "train_ppo_ray_slurm.sh": [],
     "train_ppo_with_reward_fn.sh": ["--ds.attn_implementation"],
-    # --ckpt.save_steps and --eval.steps count rollouts in OpenRLHF, optimizer steps here
-    "train_dapo_ray_hybrid_engine.sh": ["--ds.enable_sleep",
-                                        "--ckpt.save_steps", "--vllm.enable_sleep"],
-    "train_prorlv2_math_hybrid_engine.sh": ["--ds.enable_sleep",
-                                            "--ckpt.save_steps", "--eval.steps",
-                                            "--vllm.enable_sleep"],
+    "train_dapo_ray_hybrid_engine.sh": ["--ds.enable_sleep", "--vllm.enable_sleep"],
+    "train_prorlv2_math_hybrid_engine.sh": ["--ds.enable_sleep", "--vllm.enable_sleep"],
     "train_reinforce_baseline_hybrid_engine.sh": [
         "--ds.enable_sleep",
         "--ds.ring_attn_head_stride", "--ds.ring_attn_size"],
@@ -184,3 +180,24 @@ def test_openrlhf_script_passes_print_config_but_for_its_ledger(script, toy, tmp
     assert code == 0 and "# StrategyConfig" in out or name == "serve_rm" and code == 0, (
         script, refused, err[-2000:])
     assert refused == REFUSED[script], (script, "\n".join(refused))
+    if name == "train_ppo_ray":
+        _steps_count_rollouts(argv, out)
+
+
+def _steps_count_rollouts(argv: list[str], printed: str) -> None:
+    """OpenRLHF's ``--ckpt.save_steps N`` and ``--eval.steps N`` count rollouts (its PPO
+    trainer's global_step is one a rollout): here they are N x the optimizer steps a rollout
+    spans (max_epochs passes over rollout.batch_size x n_samples_per_prompt completions in steps
+    of train.batch_size), -1 as it is."""
+    def value(flag: str, default: float) -> float:
+        return float(argv[argv.index(flag) + 1]) if flag in argv else default
+
+    span = int(value("--train.max_epochs", 1)) * max(int(
+        value("--rollout.batch_size", 0) * value("--rollout.n_samples_per_prompt", 1)
+        // value("--train.batch_size", 1)), 1)
+    for theirs, ours in (("--ckpt.save_steps", "save_steps"), ("--eval.steps", "eval_steps")):
+        if theirs in argv:
+            count = int(value(theirs, 0))
+            shown = re.search(rf"^\s*{ours}: (-?\d+)", printed, re.M)
+            assert shown and int(shown.group(1)) == (count if count == -1 else count * span), (
+                theirs, count, span, shown and shown.group(0))

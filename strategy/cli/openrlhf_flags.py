@@ -56,7 +56,8 @@ DOTTED: dict[str, tuple[str, ...]] = {
     "train.colocate_critic_reward": ("--colocate_critic_reward",),
     # ---- checkpoints, outputs, logging
     "ckpt.output_dir": ("--save_path", "{}"),  # the final HF export (default ./outputs/model)
-    "ckpt.save_steps": ("--save_steps", "{}"),  # -1: never mid-run, both
+    # -1: never mid-run, both; train_ppo_ray's counts rollouts (PER_PARSER), as eval.steps does
+    "ckpt.save_steps": ("--save_steps", "{}"),
     "ckpt.save_hf": ("--save_hf_ckpt",),
     "ckpt.disable_ds": ("--disable_ds_ckpt",),
     "ckpt.path": ("--ckpt_path", "{}"),
@@ -230,7 +231,10 @@ VALUE_MAPS: dict[str, dict[str, str]] = {
 PER_PARSER: dict[str, dict[str, tuple[str, ...]]] = {
     # passes over each rollout, one optimizer step a pass when the rollout is one
     # train_batch_size (here always)
-    "train_ppo_ray": {"train.max_epochs": ("--ppo_epochs", "{}")},
+    "train_ppo_ray": {"train.max_epochs": ("--ppo_epochs", "{}"),
+                      # its steps are rollouts there (global_step counts train_step calls)
+                      "ckpt.save_steps": ("--save_rollouts", "{}"),
+                      "eval.steps": ("--eval_rollouts", "{}")},
 }
 
 _VLLM = ("vLLM engines here run in every rank (--rollout_engine vllm) or on devices of their own "

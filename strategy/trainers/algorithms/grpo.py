@@ -46,6 +46,7 @@ spans ``ppo_epochs`` of them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from typing import Any, Callable, Iterator
@@ -82,6 +83,22 @@ def by_step(batches: list[dict], steps: int) -> list[list[dict]]:
         return [list(run) for _, run in itertools.groupby(batches, lambda b: b["rollout_step"])]
     per_step = len(batches) // steps
     return [batches[i:i + per_step] for i in range(0, len(batches), per_step)]
+
+
+def rollout_counted(train: TrainConfig, grpo: GRPOConfig, train_batch_size: int) -> TrainConfig:
+    """``train`` with ``--save_rollouts``/``--eval_rollouts`` (OpenRLHF's rollout-counted
+    ``--ckpt.save_steps``/``--eval.steps``) as the optimizer steps they span: N rollouts are
+    N x ``updates_per_rollout`` steps here."""
+    span, changes = grpo.updates_per_rollout(train_batch_size), {}
+    for steps, rollouts in (("save_steps", "save_rollouts"), ("eval_steps", "eval_rollouts")):
+        count = getattr(grpo, rollouts)
+        if count is None:
+            continue
+        if getattr(train, steps) != -1:
+            fail(rollouts, count, f"it sets --{steps} (N rollouts = N x {span} steps); give "
+                 "one of them")
+        changes[steps] = count if count == -1 else count * span
+    return dataclasses.replace(train, **changes) if changes else train
 
 
 def check_grpo(strategy_config: Any, train: Any, grpo: GRPOConfig, max_len: int,
@@ -188,6 +205,8 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
         if configs[DataConfig].pack_dataset:
             fail("pack_dataset", True, "prompts are not packed; --packing_samples forwards the "
                  "update's micro-batches padding-free")
+        configs[TrainConfig] = rollout_counted(configs[TrainConfig], grpo,
+                                               configs[StrategyConfig].train_batch_size)
         check_grpo(configs[StrategyConfig], configs[TrainConfig], grpo,
                    configs[DataConfig].max_len, world_size)
         check_rollout(configs[RolloutConfig], grpo, world_size, configs[ClusterConfig].ray)

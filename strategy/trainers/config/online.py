@@ -8,7 +8,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from strategy.config.fields import check_positive, doc
+from strategy.config.fields import check_positive, check_steps, doc
 from strategy.errors import fail
 from strategy.model import saved_reward_scale
 from strategy.rollout import GATHER_MODES
@@ -64,6 +64,13 @@ class GRPOConfig:
         "GRPO: prompts per rollout on all ranks, each sampled group_size times; its completions "
         "train in optimizer steps of train_batch_size (OpenRLHF's --rollout.batch_size; None: "
         "one step's, train_batch_size / group_size)", None)
+    save_rollouts: int | None = doc(
+        "GRPO: save a resume checkpoint every N rollouts, which sets --save_steps to N x the "
+        "optimizer steps a rollout spans (OpenRLHF's --ckpt.save_steps, which counts rollouts; "
+        "-1: never mid-run; None: --save_steps decides)", None)
+    eval_rollouts: int | None = doc(
+        "GRPO: evaluate every N rollouts, as --save_rollouts sets --eval_steps (OpenRLHF's "
+        "--eval.steps; -1: only at the end; None: --eval_steps decides)", None)
     micro_rollout_batch_size: int | None = doc(
         "GRPO: completions per forward of the experience stage on each rank (the reference's "
         "and the sampling policy's log-probs, PPO's values), apart from training's "
@@ -346,6 +353,8 @@ class GRPOConfig:
                      "rollout_max_tokens_per_gpu"):
             if getattr(self, name) is not None:
                 check_positive(self, name)
+        check_steps(self, *(name for name in ("save_rollouts", "eval_rollouts")
+                            if getattr(self, name) is not None))
         self._check_eval_sampling()
         if self.reward_fn is None and self.reward_pretrain is None \
                 and self.remote_rm_url is None and self.agent_func_path is None:
