@@ -1,11 +1,14 @@
-"""GRPO with vLLM rollouts, three ways on the same work: the torchrun path (2 ranks, an engine
-colocated in each: under torchrun engines apart from training are refused, they are Ray actors),
-on Ray on one node and on Ray on two simulated nodes (``python -m strategy.cli.train_ppo_ray``:
-the 2 ranks and the engine Ray actors; on two nodes the ranks on one, the engine on the other).
-What Ray costs, and where.
+"""GRPO with vLLM rollouts, four ways on the same work: the torchrun path (2 ranks, an engine
+colocated in each: under torchrun engines apart from training are refused, they are Ray actors);
+on Ray with the same layout (``ray_colocated``: ``--train.colocate_all``, an engine actor in
+each rank's bundle, one node), the like-for-like side; and on Ray with one engine apart, on one
+node and on two simulated nodes (``python -m strategy.cli.train_ppo_ray``: the 2 ranks and the
+engine Ray actors; on two nodes the ranks on one, the engine on the other), where one engine
+generates what two do on the other sides. What Ray costs, and where.
 
 python benchmarks/bench_ray.py [--steps 10] [--skip 3] [--rounds 3] [--out /tmp/bench_ray] \
-    [--sides torchrun,ray_one_node,ray_two_nodes] [--results benchmarks/results/ray.json]
+    [--sides torchrun,ray_colocated,ray_one_node,ray_two_nodes] \
+    [--results benchmarks/results/ray.json]
 
 The same toy GRPO on every side: the toy reversal data (``python -m strategy.demos.toy_task make``),
 a fresh tiny Llama (configs/tiny_llama.json, torch seed 0; policy and reference) at ZeRO-3,
@@ -23,7 +26,7 @@ after it. The sides' order rotates every round.
 Each figure is written to ``--results`` (figure, value, range, rounds, date, commit, machine):
 the median over rounds and its range; ratios are per round (Ray's steps/s over torchrun's in the
 same round), then their median and range. Goal (issue 52): Ray on one node >= 0.9x the torchrun
-path's steps/s.
+path's steps/s on the same work: ``ray_colocated``'s ratio.
 """
 
 from __future__ import annotations
@@ -43,8 +46,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from figures import commit_measured, measured, row  # noqa: E402 - the benchmarks' own helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SIDES = ("torchrun", "ray_one_node", "ray_two_nodes")
-NODES = {"ray_one_node": [3], "ray_two_nodes": [2, 2]}  # logical GPUs per simulated node
+SIDES = ("torchrun", "ray_colocated", "ray_one_node", "ray_two_nodes")
+NODES = {"ray_colocated": [2], "ray_one_node": [3],  # logical GPUs per simulated node
+         "ray_two_nodes": [2, 2]}
+PLACEMENT = {"ray_colocated": ["--vllm.num_engines", "2", "--train.colocate_all"],
+             "ray_one_node": ["--vllm.num_engines", "1"],
+             "ray_two_nodes": ["--vllm.num_engines", "1"]}
 
 
 def flags(args, side: str) -> list[str]:
@@ -67,7 +74,7 @@ def command(args, side: str) -> list[str]:
                 "--log-dir", os.devnull, "--master_port", str(free_port()),
                 "-m", "strategy.cli.train_grpo", *flags(args, side)]
     return [sys.executable, "-m", "strategy.cli.train_ppo_ray", "--actor.num_nodes", "1",
-            "--actor.num_gpus_per_node", "2", "--vllm.num_engines", "1",
+            "--actor.num_gpus_per_node", "2", *PLACEMENT[side],
             "--algo.advantage.estimator", "group_norm", *flags(args, side)]
 
 
