@@ -1,7 +1,8 @@
 """What a test session leaves behind on the machine: /dev/shm entries it made, processes it
-started (found by a variable every child inherits, so orphans count too) and files in its own
-temp root. ``conftest.py`` fails the session when any is left, names each, then removes it so the
-next run starts clean."""
+started (found by a variable every child inherits, so orphans count too), files in its own
+temp root and entries in the user's datasets cache (``datasets`` caches every JSON file it
+reads there: the session points it into its temp root). ``conftest.py`` fails the session when
+any is left, names each, then removes it so the next run starts clean."""
 
 from __future__ import annotations
 
@@ -14,6 +15,24 @@ import time
 
 SESSION_VAR = "STRATEGY_TEST_SESSION"
 SHM = "/dev/shm"
+DATASETS_CACHE = "hf_datasets"  # the session's datasets cache, in its temp root
+
+
+def _datasets_home() -> str:
+    """Where ``datasets`` caches by default (``HF_HOME``, else ``XDG_CACHE_HOME``)."""
+    cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    return os.path.join(os.environ.get("HF_HOME", os.path.join(cache, "huggingface")),
+                        "datasets")
+
+
+def _cached(home: str) -> set[str]:
+    """The datasets cache's entries two levels deep (a builder's folder, a lock)."""
+    out = set()
+    for top in os.listdir(home) if os.path.isdir(home) else []:
+        out.add(top)
+        if os.path.isdir(os.path.join(home, top)):
+            out.update(f"{top}/{name}" for name in os.listdir(os.path.join(home, top)))
+    return out
 
 
 def _mapped_here(path: str) -> bool:
@@ -38,6 +57,9 @@ class Leftovers:
         self.root = tempfile.mkdtemp(prefix="strategy-tests-")
         os.environ["TMPDIR"] = self.root
         tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+        self.datasets_home = _datasets_home()
+        self.datasets_before = _cached(self.datasets_home)
+        os.environ["HF_DATASETS_CACHE"] = os.path.join(self.root, DATASETS_CACHE)
         self.shm_before = set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
         self.test = "(between tests)"  # the test running now, set by conftest's hook
         self.seen: dict[str, str] = {}  # each /dev/shm entry made since, and during which test
@@ -82,10 +104,15 @@ class Leftovers:
         return sorted(n for n in now - self.shm_before if not _mapped_here(os.path.join(SHM, n)))
 
     def temp(self) -> list[str]:
-        """What is left in the session's temp root, pytest's own folders and torch's compile
-        cache (kept on purpose, as in ~/.cache) aside."""
+        """What is left in the session's temp root, pytest's own folders, torch's compile cache
+        and the datasets cache (kept on purpose, as in ~/.cache, until the root goes) aside."""
         return sorted(n for n in os.listdir(self.root)
-                      if not n.startswith(("pytest-of-", "torchinductor_")))
+                      if not n.startswith(("pytest-of-", "torchinductor_", DATASETS_CACHE)))
+
+    def datasets(self) -> list[str]:
+        """Entries the session added to the user's datasets cache (a process that did not get
+        the session's ``HF_DATASETS_CACHE``)."""
+        return sorted(_cached(self.datasets_home) - self.datasets_before)
 
     def report(self, grace: float = 15.0) -> str:
         """What is left (after ``grace`` seconds for processes just ending), one kind a line;
@@ -95,7 +122,8 @@ class Leftovers:
             time.sleep(0.5)
         lines, shm = [], self.shm()
         for what, items in (("processes", self.processes()), ("/dev/shm entries", shm),
-                            (f"temp files in {self.root}", self.temp())):
+                            (f"temp files in {self.root}", self.temp()),
+                            (f"entries in {self.datasets_home}", self.datasets())):
             if items:
                 lines.append(f"{what}: {items}")
         for name in shm:
@@ -114,4 +142,10 @@ class Leftovers:
                 os.unlink(os.path.join(SHM, name))
             except OSError:
                 pass
+        for name in self.datasets():
+            path = os.path.join(self.datasets_home, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.exists(path):
+                os.unlink(path)
         shutil.rmtree(self.root, ignore_errors=True)
