@@ -85,10 +85,11 @@ def test_engines_apart_from_training_are_a_ray_jobs_alone(ray, engines, message,
      "steps every --micro_train_batch_size micro-batches; pass --colocate_critic_reward, or "
      "drop --dynamic_batch"),
     ({"critic_num_gpus_per_node": 2, "colocate_critic_reward": True}, {"ppo": True}, ()),
-    ({"critic_num_gpus_per_node": 1}, {"ppo": True},
-     "critic_num_gpus_per_node=1 is invalid: a critic group of its own trains on actor rank "
-     "i's micro-batches at its rank i, so it has the actor group's 2 ranks (it has 1); give "
-     "nodes x devices per node = 2, or pass --colocate_critic_reward"),
+    ({"critic_num_gpus_per_node": 1}, {"ppo": True}, ("critic",)),  # serving both, in turns
+    ({"critic_num_gpus_per_node": 3}, {"ppo": True},
+     "critic_num_gpus_per_node=3 is invalid: a critic group of its own answers actor rank i "
+     "from its rank i mod its size, which must divide the actor group's 2 ranks (it has 3); "
+     "give a divisor, or pass --colocate_critic_reward"),
     ({"ref_num_gpus_per_node": 1}, {"model_config": "config.json"},
      "ref_num_gpus_per_node=1 is invalid without --pretrain or --ref_pretrain: a reference "
      "group of its own loads its weights; pass one, or --colocate_actor_ref"),
@@ -102,7 +103,7 @@ def test_model_groups_of_their_own_are_placed_as_openrlhf_places_them_or_refused
     ``--colocate_all``) is a reference group of its own, as in OpenRLHF, when a KL asks for a
     reference; ``--reward_*`` without ``--colocate_critic_reward`` a reward group of its own
     for ``--reward_pretrain``; ``--critic_*`` without it a critic group of its own for PPO. A
-    frozen group's size must divide the actor group's (a critic's equal it), and what it cannot
+    group's size must divide the actor group's, and what it cannot
     take (no checkpoint to load, sequence or tensor parallelism) is one line before anything
     starts."""
     from strategy.cluster.settings import model_groups
@@ -133,6 +134,33 @@ def test_model_groups_of_their_own_are_placed_as_openrlhf_places_them_or_refused
 
 
 # ------------------------------------------------------------ the wire, without vLLM
+def test_a_critic_rank_takes_its_actor_ranks_calls_in_turns_whatever_order_they_arrive():
+    """``Turns`` (a critic rank serving several actor ranks): 3 callers, each making its calls
+    in order but started late and out of order, are served caller 0's first call, 1's, 2's,
+    then each one's second, ...; a caller whose turn never comes is an error at the deadline."""
+    from strategy.cluster.model_group import Turns
+
+    turns, served = Turns(3, timeout=10.0), []
+
+    def caller(index: int, delay: float) -> None:
+        time.sleep(delay)
+        for call in range(4):
+            with turns.of(index):
+                served.append((index, call))
+                time.sleep(0.01)  # a turn that takes a while: the others wait, not overtake
+
+    threads = [threading.Thread(target=caller, args=args) for args in ((2, 0.0), (1, 0.05),
+                                                                       (0, 0.1))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert served == [(index, call) for call in range(4) for index in range(3)]
+    with pytest.raises(TimeoutError, match="did not call within 0.2 s"):
+        with Turns(2, timeout=0.2).of(1):
+            pass
+
+
 def test_the_weight_stream_carries_names_dtypes_and_shapes_in_order_and_drains():
     """``send_weights`` on rank 0, two receivers (an engine's two workers) on a gloo group of
     three: each gets every tensor, in order, bit for bit (fp32, bf16, int64, a 0-d tensor, an
@@ -465,13 +493,15 @@ def test_a_reward_model_group_of_its_own_scores_as_the_torchrun_ranks_do(cluster
 @needs_ray
 @pytest.mark.slow
 def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(cluster, toy):
-    """PPO (``--algo.advantage.estimator gae``) with ``--critic.num_gpus_per_node 2``: the
-    critic in a Ray group of its own (2 ranks, on the node the actor group is not on), at its
-    own ZeRO stage (2, the actor's 3), trained there on the gradient the actor ranks send back,
-    gives the torchrun path's per-step policy and value losses, values, grad norms and both
-    exports (policy and ``--save_value_network``'s critic) to 1e-6. The critic group wrote its
-    checkpoint beside the policy's (``<ckpt_path>_critic``, same tag), and a second job resumes
-    from both: the critic it exports is the one it loaded, not its start."""
+    """PPO (``--algo.advantage.estimator gae``) with ``--critic.num_gpus_per_node 1``: the
+    critic in a Ray group of its own (1 rank serving both actor ranks in turns, on the node the
+    actor group is not on), at its own ZeRO stage (2, the actor's 3), trained there on the
+    gradient the actor ranks send back (its accumulation twice theirs), gives the torchrun
+    path's per-step policy and value losses, values and grad norms to 1e-6, and both exports
+    (policy and ``--save_value_network``'s critic) to 1e-5 (the critic's sums' order). The
+    critic group wrote its checkpoint beside the policy's (``<ckpt_path>_critic``, same tag),
+    and a second job, its critic group of 2 ranks (one per actor rank), resumes from both: the critic it exports is the one it loaded (the
+    world size changed: DeepSpeed's universal form), not its start."""
     from safetensors.torch import load_file, save_file
 
     from tests.support.helpers import run_job, side_by_side, torchrun_command
@@ -480,7 +510,7 @@ def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(clus
                 "vllm_timeout": None, "critic_pretrain": f"{toy}/rm", "critic_zero_stage": 2,
                 "critic_learning_rate": 5e-3, "group_size": 2, "save_value_network": True,
                 "max_steps": 2, "save_steps": 2}
-    args = ["--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "2",
+    args = ["--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "1",
             "--algo.advantage.estimator", "gae"]
     job, ref = side_by_side(
         lambda: _ray_job(cluster, [*args, *_flags(toy, "ray_ppo", **settings)]),
@@ -488,7 +518,7 @@ def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(clus
                                          *_flags(toy, "torchrun_ppo", **settings)), timeout=400))
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
     where = json.loads((toy / "ray_ppo" / "logs" / "placement.json").read_text())
-    assert [r["rank"] for r in where["critic"]] == [0, 1]
+    assert [r["rank"] for r in where["critic"]] == [0]
     critic_nodes = {r["node_id"] for r in where["critic"]}
     assert len(critic_nodes) == 1 and critic_nodes.isdisjoint(r["node_id"] for r in where["actor"])
     assert (toy / "ray_ppo" / "ckpt_critic" / "global_step2").is_dir()
@@ -500,23 +530,30 @@ def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(clus
                     "train/kl", "train/grad_norm"):
             assert ours[key] == pytest.approx(theirs[key], abs=1e-6), (ours["step"], key)
     assert ray_rows[0]["train/critic_loss"] != ray_rows[1]["train/critic_loss"]
+    # the critic's gradient sums in another order (one rank accumulates both actor ranks'
+    # micro-batches where the torchrun path all-reduces two ranks' sums): float rounding, which
+    # Adam carries into the critic's weights and, through step 2's values and advantages, the
+    # policy's, above 1e-6 (seen: 1.5e-6 in one element); 1e-5 is still 1/100 of the critic's
+    # update (checked below)
     trained = {}
     for part in ("model", "model_critic"):
         a, b = (load_file(toy / n / part / "model.safetensors")
                 for n in ("ray_ppo", "torchrun_ppo"))
         assert a.keys() == b.keys()
         for key in a:
-            torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
+            torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0,
+                                       msg=lambda m, part=part, key=key: f"{part} {key}: {m}")
         trained[part] = a
     start = load_file(toy / "rm" / "model.safetensors")
-    assert any(not torch.equal(start[k], v) for k, v in trained["model_critic"].items()
-               if k in start)  # the critic trained
+    assert max((v - start[k]).abs().max().item() for k, v in trained["model_critic"].items()
+               if k in start) > 1e-3  # the critic trained, by far more than the tolerance
     # the resume: from another critic start (the reward model's weights moved), so the critic it
     # exports is the checkpoint's only if its group loaded it (max_steps reached: no step taken)
     other = {key: value + 0.25 for key, value in start.items()}
     shutil.copytree(toy / "rm", toy / "rm_moved")
     save_file(other, toy / "rm_moved" / "model.safetensors", metadata={"format": "pt"})
     shutil.rmtree(toy / "ray_ppo" / "model_critic")
+    args[3] = "2"  # --critic.num_gpus_per_node
     again = _ray_job(cluster, [*args, *_flags(toy, "ray_ppo", **{
         **settings, "critic_pretrain": f"{toy}/rm_moved", "load_checkpoint": True})])
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]

@@ -131,13 +131,17 @@ class Job:
         name = GROUP_NAMES[group]
         placed = reserve(self.ray, bundles, "PACK", self.cluster.ray_timeout, name)
         self.groups.append(placed)
-        remote = self.ray.remote(CriticRank if group == "critic" else FrozenRank)
+        # a critic rank serves world / size actor ranks, in turns (CriticRank): one thread each,
+        # and one for the driver's calls
+        callers = self.cluster.world_size // len(bundles) if group == "critic" else 0
+        remote = self.ray.remote(CriticRank if callers else FrozenRank)
+        args = (callers, self.cluster.ray_timeout) if callers else ()
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         for rank, (bundle, _, _) in enumerate(ordered_bundles(self.ray, placed)):
             actor = f"{group}-{rank}"
             self.members[group].append(remote.options(
-                name=actor, namespace=self.namespace, max_concurrency=1,
-                **self._options(placed, bundle, bundles[0], 1.0, env)).remote())
+                name=actor, namespace=self.namespace, max_concurrency=callers + 1,
+                **self._options(placed, bundle, bundles[0], 1.0, env)).remote(*args))
             self.where[group].append({"rank": rank, "name": actor, "bundle": bundle,
                                       "placement_group": placed.id.hex()})
         return name, self.where[group], [r.where.remote() for r in self.members[group]]

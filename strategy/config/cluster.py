@@ -57,7 +57,8 @@ class ClusterConfig:
         "--colocate_all; none: inside the actor group's ranks", None, trainers=RAY_TRAINERS)
     critic_num_gpus_per_node: int | None = doc(
         "Ray: the critic group's ranks (devices) per node (1 if only critic_num_nodes is "
-        "given); its size must be the actor group's: actor rank i trains on critic rank i",
+        "given); its size must divide the actor group's: actor rank i trains on its rank "
+        "i mod size",
         None, trainers=RAY_TRAINERS)
     reward_num_nodes: int | None = doc(
         "Ray: the reward model's nodes (--reward_pretrain; 1 if only reward_num_gpus_per_node "
@@ -88,12 +89,6 @@ class ClusterConfig:
             if self.apart(group):
                 check_positive(self, *(name for name in names if getattr(self, name) is not None))
                 given = names[1] if getattr(self, names[1]) is not None else names[0]
-                if group == "critic" and self.group_size(group) != self.world_size:
-                    fail(given, getattr(self, given),
-                         f"a critic group of its own trains on actor rank i's micro-batches at "
-                         f"its rank i, so it has the actor group's {self.world_size} ranks (it "
-                         f"has {self.group_size(group)}); give nodes x devices per node = "
-                         f"{self.world_size}, or pass --colocate_critic_reward")
                 if self.world_size % self.group_size(group):
                     fail(given, getattr(self, given),
                          f"a {COLOCATE[group][0]} group of its own answers actor rank i from "

@@ -25,7 +25,7 @@ class RemoteGroup:
     def __init__(self, kind: str, namespace: str, ranks: list[dict], timeout: float) -> None:
         import ray  # the optional extra: a Ray job only
 
-        self.place = ranks[get_rank() % len(ranks)]
+        self.place, self.size = ranks[get_rank() % len(ranks)], len(ranks)
         self.kind, self.timeout, self.ray = kind, timeout, ray
         self.handle = ray.get_actor(self.place["name"], namespace=namespace)
 
@@ -65,14 +65,19 @@ class RemoteReward(RemoteGroup):
 
 
 class RemoteCritic(RemoteGroup):
-    """PPO's critic in a group of its own: ``values`` come from its rank ``i`` (this actor rank's;
-    with gradients on, as a leaf of this rank's graph), and ``backward`` sends the loss's gradient
-    with respect to them back, where the critic backpropagates it and steps. Persistence calls
+    """PPO's critic in a group of its own: ``values`` come from its rank ``i mod size`` (with
+    gradients on, as a leaf of this rank's graph), and ``backward`` sends the loss's gradient
+    with respect to them back, where the critic backpropagates it and steps. Each call names
+    this rank's turn among the actor ranks that rank serves (``CriticRank``). Persistence calls
     are collective over the critic group, as over the actor group."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.leaf: torch.Tensor | None = None
+        self.caller = get_rank() // self.size  # this rank's turn at its critic rank
+
+    def ask(self, method: str, calls: list[tuple]) -> list:
+        return super().ask(method, [(self.caller, *args) for args in calls])
 
     def prepare(self, total_steps: int) -> tuple[float, float]:
         """The critic's optimizer and schedule; the (mean, std) its values are scaled by."""
