@@ -80,10 +80,7 @@ def test_engines_apart_from_training_are_a_ray_jobs_alone(ray, engines, message,
     ({"critic_num_gpus_per_node": 2, "ref_num_gpus_per_node": 1}, {"ppo": True},
      ("ref", "critic")),
     ({"critic_num_gpus_per_node": 2}, {}, ()),  # GRPO: no critic to place
-    ({"critic_num_gpus_per_node": 2}, {"ppo": True, "dynamic_batch": True},
-     "critic_num_gpus_per_node=2 is invalid with --dynamic_batch: a critic group of its own "
-     "steps every --micro_train_batch_size micro-batches; pass --colocate_critic_reward, or "
-     "drop --dynamic_batch"),
+    ({"critic_num_gpus_per_node": 1}, {"ppo": True, "dynamic_batch": True}, ("critic",)),
     ({"critic_num_gpus_per_node": 2, "colocate_critic_reward": True}, {"ppo": True}, ()),
     ({"critic_num_gpus_per_node": 1}, {"ppo": True}, ("critic",)),  # serving both, in turns
     ({"critic_num_gpus_per_node": 3}, {"ppo": True},
@@ -492,7 +489,9 @@ def test_a_reward_model_group_of_its_own_scores_as_the_torchrun_ranks_do(cluster
 
 @needs_ray
 @pytest.mark.slow
-def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(cluster, toy):
+@pytest.mark.parametrize("batching", ["counted", "token_budget"])
+def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(cluster, toy,
+                                                                           batching):
     """PPO (``--algo.advantage.estimator gae``) with ``--critic.num_gpus_per_node 1``: the
     critic in a Ray group of its own (1 rank serving both actor ranks in turns, on the node the
     actor group is not on), at its own ZeRO stage (2, the actor's 3), trained there on the
@@ -500,8 +499,11 @@ def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(clus
     path's per-step policy and value losses, values and grad norms to 1e-6, and both exports
     (policy and ``--save_value_network``'s critic) to 1e-5 (the critic's sums' order). The
     critic group wrote its checkpoint beside the policy's (``<ckpt_path>_critic``, same tag),
-    and a second job, its critic group of 2 ranks (one per actor rank), resumes from both: the critic it exports is the one it loaded (the
-    world size changed: DeepSpeed's universal form), not its start."""
+    and a second job, its critic group of 2 ranks (one per actor rank), resumes from both: the
+    critic it exports is the one it loaded (the world size changed: DeepSpeed's universal
+    form), not its start. ``token_budget``: both sides with ``--dynamic_batch`` (steps of more
+    micro-batches than DeepSpeed's accumulation count; the critic group steps after the last
+    actor rank's last), the same equalities."""
     from safetensors.torch import load_file, save_file
 
     from tests.support.helpers import run_job, side_by_side, torchrun_command
@@ -510,25 +512,28 @@ def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(clus
                 "vllm_timeout": None, "critic_pretrain": f"{toy}/rm", "critic_zero_stage": 2,
                 "critic_learning_rate": 5e-3, "group_size": 2, "save_value_network": True,
                 "max_steps": 2, "save_steps": 2}
+    if batching == "token_budget":  # 16 rows of up to 24 tokens a step: > 2 micro-batches
+        settings.update(dynamic_batch=True, max_tokens_per_gpu=70, rollout_max_tokens_per_gpu=100)
     args = ["--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "1",
             "--algo.advantage.estimator", "gae"]
+    ours, theirs = f"ray_ppo_{batching}", f"torchrun_ppo_{batching}"
     job, ref = side_by_side(
-        lambda: _ray_job(cluster, [*args, *_flags(toy, "ray_ppo", **settings)]),
+        lambda: _ray_job(cluster, [*args, *_flags(toy, ours, **settings)]),
         lambda: run_job(torchrun_command("-m", "strategy.cli.train_ppo",
-                                         *_flags(toy, "torchrun_ppo", **settings)), timeout=400))
+                                         *_flags(toy, theirs, **settings)), timeout=400))
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
-    where = json.loads((toy / "ray_ppo" / "logs" / "placement.json").read_text())
+    where = json.loads((toy / ours / "logs" / "placement.json").read_text())
     assert [r["rank"] for r in where["critic"]] == [0]
     critic_nodes = {r["node_id"] for r in where["critic"]}
     assert len(critic_nodes) == 1 and critic_nodes.isdisjoint(r["node_id"] for r in where["actor"])
-    assert (toy / "ray_ppo" / "ckpt_critic" / "global_step2").is_dir()
+    assert (toy / ours / "ckpt_critic" / "global_step2").is_dir()
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
-    ray_rows, ref_rows = _history(toy, "ray_ppo"), _history(toy, "torchrun_ppo")
+    ray_rows, ref_rows = _history(toy, ours), _history(toy, theirs)
     assert [r["step"] for r in ray_rows] == [r["step"] for r in ref_rows] == [1, 2]
-    for ours, theirs in zip(ray_rows, ref_rows):
+    for row, other in zip(ray_rows, ref_rows):
         for key in ("train/loss", "train/critic_loss", "train/values", "train/reward",
                     "train/kl", "train/grad_norm"):
-            assert ours[key] == pytest.approx(theirs[key], abs=1e-6), (ours["step"], key)
+            assert row[key] == pytest.approx(other[key], abs=1e-6), (row["step"], key)
     assert ray_rows[0]["train/critic_loss"] != ray_rows[1]["train/critic_loss"]
     # the critic's gradient sums in another order (one rank accumulates both actor ranks'
     # micro-batches where the torchrun path all-reduces two ranks' sums): float rounding, which
@@ -537,8 +542,7 @@ def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(clus
     # update (checked below)
     trained = {}
     for part in ("model", "model_critic"):
-        a, b = (load_file(toy / n / part / "model.safetensors")
-                for n in ("ray_ppo", "torchrun_ppo"))
+        a, b = (load_file(toy / n / part / "model.safetensors") for n in (ours, theirs))
         assert a.keys() == b.keys()
         for key in a:
             torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0,
@@ -547,17 +551,19 @@ def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(clus
     start = load_file(toy / "rm" / "model.safetensors")
     assert max((v - start[k]).abs().max().item() for k, v in trained["model_critic"].items()
                if k in start) > 1e-3  # the critic trained, by far more than the tolerance
+    if batching != "counted":
+        return
     # the resume: from another critic start (the reward model's weights moved), so the critic it
     # exports is the checkpoint's only if its group loaded it (max_steps reached: no step taken)
     other = {key: value + 0.25 for key, value in start.items()}
     shutil.copytree(toy / "rm", toy / "rm_moved")
     save_file(other, toy / "rm_moved" / "model.safetensors", metadata={"format": "pt"})
-    shutil.rmtree(toy / "ray_ppo" / "model_critic")
+    shutil.rmtree(toy / ours / "model_critic")
     args[3] = "2"  # --critic.num_gpus_per_node
-    again = _ray_job(cluster, [*args, *_flags(toy, "ray_ppo", **{
+    again = _ray_job(cluster, [*args, *_flags(toy, ours, **{
         **settings, "critic_pretrain": f"{toy}/rm_moved", "load_checkpoint": True})])
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
-    resumed = load_file(toy / "ray_ppo" / "model_critic" / "model.safetensors")
+    resumed = load_file(toy / ours / "model_critic" / "model.safetensors")
     for key, value in trained["model_critic"].items():
         torch.testing.assert_close(resumed[key], value, atol=0, rtol=0)
 

@@ -216,10 +216,14 @@ class CriticRank(RayRank):
         return values.detach().cpu(), mask.cpu()
 
     @in_turn()
-    def backward(self, caller: int, grad: torch.Tensor) -> None:
+    def backward(self, caller: int, grad: torch.Tensor, last: bool | None = None) -> None:
         """Backpropagate ``grad`` (the loss's gradient with respect to the values last sent to
-        ``caller``) through the critic, and step it (at the accumulation boundary, as DeepSpeed
-        counts)."""
+        ``caller``) through the critic, and step it at the accumulation boundary: as DeepSpeed
+        counts, or (``last`` given: steps of varying counts of micro-batches, the same on every
+        actor rank) after the last caller's step's last."""
+        if last is not None:
+            self.run.strategy.accumulation_boundary(
+                self.engine, last and caller == self.turns.callers - 1)
         values = self.pending.pop(caller)
         surrogate = (values * grad.to(values.device)).sum()  # d surrogate / d values = grad
         self.run.strategy.backward(surrogate, self.engine)

@@ -59,10 +59,6 @@ def model_groups(by_type: dict) -> tuple[str, ...]:
             raise ConfigError(f"{flag}={value} is invalid without --pretrain or --ref_pretrain: "
                               f"a reference group of its own loads its weights; pass one, or "
                               f"{fix}")
-        if group == "critic" and trainer.dynamic_batch:
-            raise ConfigError(f"{flag}={value} is invalid with --dynamic_batch: a critic group of "
-                              f"its own steps every --micro_train_batch_size micro-batches; pass "
-                              f"{fix}, or drop --dynamic_batch")
         if by_type[StrategyConfig].model_parallel_size > 1:
             raise ConfigError(f"{flag}={value} is invalid with sequence or tensor parallelism: "
                               f"a {GROUP_NAMES[group]} of its own takes whole micro-batches; pass "

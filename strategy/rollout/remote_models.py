@@ -75,6 +75,7 @@ class RemoteCritic(RemoteGroup):
         super().__init__(*args)
         self.leaf: torch.Tensor | None = None
         self.caller = get_rank() // self.size  # this rank's turn at its critic rank
+        self.last: bool | None = None  # steps of varying counts: the next backward ends one
 
     def ask(self, method: str, calls: list[tuple]) -> list:
         return super().ask(method, [(self.caller, *args) for args in calls])
@@ -99,7 +100,7 @@ class RemoteCritic(RemoteGroup):
             raise RuntimeError("RemoteCritic.backward without values taken with gradients on")
         (grad,) = torch.autograd.grad(loss, self.leaf)
         self.leaf = None
-        self.ask("backward", [(grad.cpu(),)])
+        self.ask("backward", [(grad.cpu(), self.last)])
 
     def save_ckpt(self, save_dir: str, tag: str, metric: float | None) -> None:
         self.ask("save_ckpt", [(save_dir, tag, metric)])

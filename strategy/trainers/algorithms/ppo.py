@@ -228,6 +228,17 @@ class PPOTrainer(GRPOTrainer):
             return super().trained_engines()
         return {**super().trained_engines(), CRITIC: self.critic}
 
+    def accumulation_boundary(self, last: bool) -> None:
+        """As ``Trainer.accumulation_boundary``; a critic in a Ray group of its own is told with
+        the micro-batch's gradient (its group steps after the step's last).
+
+        Args:
+            last: the next micro-batch is the step's last.
+        """
+        super().accumulation_boundary(last)
+        if self.remote_critic:
+            self.critic.last = last
+
     def exported_engines(self) -> dict[str, Any]:
         engines = {**self.trained_engines(), CRITIC: self.critic}
         if not self.grpo.save_value_network:
@@ -306,8 +317,7 @@ class PPOTrainer(GRPOTrainer):
         losses, value_metrics = value_token_losses(values, batch["old_values"], batch["returns"],
                                                    mask, self.grpo.value_clip)
         value_loss = self.aggregate(losses, mask)
-        if self.remote_critic:  # backpropagated and stepped by the critic's group
+        if self.remote_critic:  # backpropagated and stepped by the critic's group; logged here
             self.critic.backward(value_loss)
-            return {"model": policy}, {**metrics, **value_metrics,
-                                       f"{CRITIC}_loss": value_loss.item()}
+            value_loss = value_loss.detach()
         return {"model": policy, CRITIC: value_loss}, {**metrics, **value_metrics}

@@ -96,7 +96,8 @@ class Trainer:
 
     A subclass whose steps hold other counts of micro-batches than DeepSpeed's accumulation
     steps (micro-batches by a token budget) sets ``varying_micro_batches``: the loop then marks
-    each step's last micro-batch as the accumulation boundary of every trained engine.
+    each step's last micro-batch as the accumulation boundary of every trained engine
+    (``accumulation_boundary``).
 
     State a subclass may read: ``strategy``, ``cfg`` (``TrainConfig``), ``tokenizer``,
     ``model`` (the training engine), ``train_dataloader``, ``eval_dataloader``, ``global_step``,
@@ -150,8 +151,8 @@ class Trainer:
 
     # ------------------------------------------------------------ hooks
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor | dict, dict]:
-        """The micro-batch's loss (one per trained engine, as a dict, when there are several)
-        and its metrics.
+        """The micro-batch's loss (one per trained engine, as a dict, when there are several;
+        a detached one under another name is logged as ``<name>_loss`` only) and its metrics.
 
         Args:
             batch: one micro-batch on the device (this rank's sequence slice under sequence
@@ -214,6 +215,16 @@ class Trainer:
             ``{"model": self.model}`` by default.
         """
         return {MAIN: self.model}
+
+    def accumulation_boundary(self, last: bool) -> None:
+        """With ``varying_micro_batches``, before each micro-batch: whether it ends the step, on
+        every trained engine (a subclass with a model trained elsewhere tells it too).
+
+        Args:
+            last: the next micro-batch is the step's last.
+        """
+        for engine in self.trained_engines().values():
+            self.strategy.accumulation_boundary(engine, last)
 
     def exported_engines(self) -> dict[str, Any]:
         """The engines the final export writes: ``model`` to ``save_path``, another ``name`` to
@@ -414,8 +425,7 @@ class Trainer:
         for index, (batch, counts) in enumerate(micro):
             self._set_micro_counts(counts)
             if self.varying_micro_batches:  # DeepSpeed steps after the step's last one
-                for engine in self.trained_engines().values():
-                    self.strategy.accumulation_boundary(engine, index == len(micro) - 1)
+                self.accumulation_boundary(index == len(micro) - 1)
             loss, metrics = self.compute_loss(batch)
             sums.add({**self._backward_and_step(loss, len(micro)), **metrics})
         sums.add_totals(step.metrics)
@@ -424,15 +434,16 @@ class Trainer:
     def _backward_and_step(self, loss: torch.Tensor | dict, count: int) -> dict[str, float]:
         """Backward and (at the accumulation boundary) step each engine; the logged losses (a
         mean over the step's ``count`` micro-batches: each weighted as DeepSpeed weighs it,
-        1 / its accumulation steps)."""
+        1 / its accumulation steps), a loss of a model trained elsewhere too (PPO's critic
+        group: logged alike, not backpropagated here)."""
         losses = loss if isinstance(loss, dict) else {MAIN: loss}
-        logged, share = {}, count / self.strategy.accumulation_steps
+        share = count / self.strategy.accumulation_steps
         for name, engine in self.trained_engines().items():
             self.strategy.backward(losses[name], engine)
             self.strategy.optimizer_step(engine)
-            value = self.strategy.sequence_sum(losses[name].detach()).item() * share
-            logged["loss" if name == MAIN else f"{name}_loss"] = value
-        return logged
+        return {"loss" if name == MAIN else f"{name}_loss":
+                self.strategy.sequence_sum(value.detach()).item() * share
+                for name, value in losses.items()}
 
     def _step_batches(self, batches: list[dict]) -> list[tuple[dict, dict]]:
         """The step's micro-batches on the device, and the items they hold on all ranks."""
