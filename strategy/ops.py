@@ -2,8 +2,9 @@
 ``python -m strategy.ops [default|tests|all]``.
 
 Otherwise they JIT-compile inside the first job that needs them (about a minute each on a CPU),
-silently. Each op builds in its own process (its own lock and build directory), up to ``--jobs``
-at a time, with a line when it starts and when it finishes.
+silently. Ops compiled into DeepSpeed's install (``.ci/ops_wheel``) are left as they are. Each
+op builds in its own process (its own lock and build directory), up to ``--jobs`` at a time,
+with a line when it starts and when it finishes.
 
 - ``default``: what the main job uses (launched by torchrun): FusedAdam, its optimizer.
 - ``tests``: also DeepSpeedCPUAdam (offload, HybridAdam), async_io (NVMe state files; only where
@@ -52,6 +53,14 @@ def buildable(names: tuple[str, ...]) -> list[str]:
         if builder is not None and builder.is_compatible(verbose=False):
             out.append(name)
     return out
+
+
+def compiled_in(name: str) -> bool:
+    """Whether DeepSpeed was installed with op ``name`` built (``DS_BUILD_*``: .ci/ops_wheel):
+    it loads without a JIT build."""
+    from deepspeed.git_version_info import installed_ops
+
+    return bool(installed_ops.get(get_accelerator().create_op_builder(name).NAME))
 
 
 def _build(name: str) -> tuple[str, float, str]:
@@ -110,6 +119,10 @@ def build_ops(which: str = "tests", jobs: int = 1,
     """Build the ``which`` set but ``skip``'s builders, ``jobs`` ops at a time; (op, seconds,
     error or "") per op. A lock a killed build left is removed first (``stale_locks``)."""
     names = buildable(tuple(name for name in SETS[which] if name not in skip))
+    for op in [name for name in names if compiled_in(name)]:
+        log.info("%s: compiled into DeepSpeed's install",
+                 get_accelerator().create_op_builder(op).NAME)
+        names.remove(op)
     remove_stale_locks([get_accelerator().create_op_builder(name).NAME for name in names])
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return list(pool.map(_build, names))

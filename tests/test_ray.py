@@ -160,20 +160,23 @@ def test_a_critic_rank_takes_its_actor_ranks_calls_in_turns_whatever_order_they_
 
 def test_the_weight_stream_carries_names_dtypes_and_shapes_in_order_and_drains():
     """``send_weights`` on rank 0, two receivers (an engine's two workers) on a gloo group of
-    three: each gets every tensor, in order, bit for bit (fp32, bf16, int64, a 0-d tensor, an
-    empty one); a receiver that stops reading part way drains the rest, and the next stream
-    lines up on all three."""
+    three: each gets every tensor, in order, bit for bit (fp32, bf16, int64, bool, a 0-d tensor,
+    an empty one), in one bucket and in buckets of 64 bytes (several, a tensor larger than one
+    alone); a receiver that stops reading part way drains the rest, and the next stream lines
+    up on all three."""
     from strategy.dist import free_port
     from strategy.rollout.weight_stream import WeightStream, send_weights, weight_group
 
     tensors = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.randn(7).bfloat16()),
                ("c.index", torch.arange(6).reshape(2, 3)), ("d.scale", torch.tensor(2.5)),
-               ("e.empty", torch.zeros(0, 4))]
+               ("e.empty", torch.zeros(0, 4)), ("f.large", torch.randn(5, 7)),
+               ("g.mask", torch.tensor([True, False, True]))]
     port, got, errors = free_port(), {1: [], 2: []}, []
 
     def receiver(rank: int) -> None:
         try:
             group = weight_group(port, rank, 3, 30)
+            got[rank].append(list(WeightStream(group)))
             got[rank].append(list(WeightStream(group)))
             stream = WeightStream(group)  # reads one tensor, then gives up: drained
             got[rank].append([next(iter(stream))])
@@ -186,19 +189,21 @@ def test_the_weight_stream_carries_names_dtypes_and_shapes_in_order_and_drains()
     for thread in threads:
         thread.start()
     group = weight_group(port, 0, 3, 30)
-    assert send_weights(group, iter(tensors)) == 5
-    assert send_weights(group, iter(tensors[::-1])) == 5
+    assert send_weights(group, iter(tensors)) == 7
+    assert send_weights(group, iter(tensors), bucket_bytes=64) == 7  # f.large: 140 bytes
+    assert send_weights(group, iter(tensors[::-1]), bucket_bytes=64) == 7
     assert send_weights(group, iter(tensors[:2])) == 2
     for thread in threads:
         thread.join(60)
     assert not errors, errors
     for rank in (1, 2):
-        first, partial, last = got[rank]
-        assert [n for n, _ in first] == [n for n, _ in tensors]
-        for (name, sent), (_, received) in zip(tensors, first):
-            assert received.dtype == sent.dtype and received.shape == sent.shape, name
-            assert torch.equal(received, sent), name
-        assert partial[0][0] == "e.empty"
+        whole, bucketed, partial, last = got[rank]
+        for stream in (whole, bucketed):
+            assert [n for n, _ in stream] == [n for n, _ in tensors]
+            for (name, sent), (_, received) in zip(tensors, stream):
+                assert received.dtype == sent.dtype and received.shape == sent.shape, name
+                assert torch.equal(received, sent), name
+        assert partial[0][0] == "g.mask"
         assert [n for n, _ in last] == ["a.weight", "b.bias"]
         assert torch.equal(last[1][1], tensors[1][1])
 
