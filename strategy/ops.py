@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from deepspeed.accelerator import get_accelerator
+from deepspeed.git_version_info import installed_ops
 from torch.utils.cpp_extension import get_default_build_root
 
 from strategy.log import get_logger
@@ -58,8 +59,6 @@ def buildable(names: tuple[str, ...]) -> list[str]:
 def compiled_in(name: str) -> bool:
     """Whether DeepSpeed was installed with op ``name`` built (``DS_BUILD_*``: .ci/ops_wheel):
     it loads without a JIT build."""
-    from deepspeed.git_version_info import installed_ops
-
     return bool(installed_ops.get(get_accelerator().create_op_builder(name).NAME))
 
 
