@@ -117,11 +117,13 @@ def build_ops(which: str = "tests", jobs: int = 1,
               skip: tuple[str, ...] = ()) -> list[tuple[str, float, str]]:
     """Build the ``which`` set but ``skip``'s builders, ``jobs`` ops at a time; (op, seconds,
     error or "") per op. A lock a killed build left is removed first (``stale_locks``)."""
-    names = buildable(tuple(name for name in SETS[which] if name not in skip))
-    for op in [name for name in names if compiled_in(name)]:
-        log.info("%s: compiled into DeepSpeed's install",
-                 get_accelerator().create_op_builder(op).NAME)
-        names.remove(op)
+    names = []
+    for name in buildable(tuple(name for name in SETS[which] if name not in skip)):
+        if compiled_in(name):
+            log.info("%s: compiled into DeepSpeed's install",
+                     get_accelerator().create_op_builder(name).NAME)
+        else:
+            names.append(name)
     remove_stale_locks([get_accelerator().create_op_builder(name).NAME for name in names])
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return list(pool.map(_build, names))

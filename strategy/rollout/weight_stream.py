@@ -142,7 +142,7 @@ class WeightStream:
         out = []
         for name, dtype, shape, offset in header["tensors"]:
             kind = getattr(torch, dtype)
-            count = math.prod(shape) * torch.empty(0, dtype=kind).element_size()
+            count = math.prod(shape) * kind.itemsize
             out.append((name, buffer[offset:offset + count].view(kind).reshape(shape)))
         return out
 
