@@ -822,5 +822,6 @@ def test_save_and_eval_rollouts_are_the_steps_their_rollouts_span():
         rollout_counted(TrainConfig(save_steps=4), grpo, 8)
     plain = TrainConfig(save_steps=4)
     assert rollout_counted(plain, GRPOConfig(reward_fn="m:f"), 8) is plain
-    with pytest.raises(ConfigError, match="^eval_rollouts=0 is invalid"):
+    with pytest.raises(ConfigError, match="^eval_rollouts=0 is invalid: use a positive number "
+                                          "of rollouts, or -1$"):
         GRPOConfig(reward_fn="m:f", eval_rollouts=0)

@@ -47,9 +47,9 @@ REFUSED = {  # script -> the flags it is refused for here (each with its one lin
         "--ds.enable_sleep",
         "--ds.ring_attn_head_stride", "--ds.ring_attn_size"],
     "train_reinforce_baseline_ray_agent_async.sh": [
-        "--train.partial_rollout_enable",
         "--ds.enable_sleep", "--ds.ring_attn_head_stride", "--ds.ring_attn_size",
-        "--train.async_enable"],
+        # async with an environment (not here yet), and so partial rollouts, which continue it
+        "--train.async_enable", "--train.partial_rollout_enable"],
     "train_vlm_math_hybrid_engine.sh": [
         "--data.image_key", "--data.max_images_per_prompt",
         "--actor.freeze_visual_encoder", "--ds.enable_sleep",

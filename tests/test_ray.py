@@ -604,6 +604,7 @@ def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(clus
             proc.send_signal(signal.SIGTERM)
 
     ref = ["--ref.num_gpus_per_node", "1"] if fault == "ref_killed" else []
+    saved = {"save_steps": 1} if fault == "rank_killed" else {}  # its resume, below
     # a rank's or the reference's death: the hf engine (an engine's teardown beside a failed
     # job is the other cases')
     engine = (["--vllm.num_engines", "1"], {"vllm_timeout": STOPPED_TIMEOUT_S
@@ -612,8 +613,9 @@ def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(clus
         ([], {"rollout_engine": "hf", "vllm_enforce_eager": None, "vllm_timeout": None})
     job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", *engine[0],
                              "--algo.advantage.estimator", "group_norm", *ref,
-                             *_flags(toy, name, vllm_num_engines=None, max_steps=6, **engine[1])],
-                   watch=_act_once_trained(toy, name, 1, stop))
+                             *_flags(toy, name, vllm_num_engines=None, max_steps=6, **engine[1],
+                                     **saved)],
+                   watch=_act_once_trained(toy, name, 2 if saved else 1, stop))
     lines = job.stderr.strip().splitlines()
     if fault == "engine_killed":
         assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
@@ -628,6 +630,7 @@ def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(clus
         assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
         assert lines[-1].startswith("error: actor group rank 1 (node "), job.stderr[-3000:]
         assert " died: " in lines[-1], lines[-1]
+        _resumes_from_the_last_checkpoint(cluster, toy, name, engine)
     elif fault == "ref_killed":  # the next ask of it, by either actor rank (both ask it)
         assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
         assert lines[-1].startswith(("error: actor group rank 0 (node ",
@@ -639,6 +642,92 @@ def test_a_killed_engine_or_a_stopped_driver_is_one_line_and_leaves_nothing(clus
                              "groups are removed"), job.stderr[-3000:]
         assert "Traceback" not in job.stderr, job.stderr[-3000:]
     assert _all_free(cluster), "the job's actors or placement groups still hold resources"
+
+
+def _resumes_from_the_last_checkpoint(cluster, toy, name: str, engine: tuple) -> None:
+    """After a rank died: the checkpoint ``latest`` names is whole, and the job resumed from it
+    (``--load_checkpoint``) trains the steps after it to the end."""
+    tag = (toy / name / "ckpt" / "latest").read_text().strip()
+    done = int(tag.removeprefix("global_step"))
+    assert done >= 1, tag  # the save after step 1 was done before step 2 trained
+    before = len(_history(toy, name))  # the killed run's rows (metrics.jsonl is appended to)
+    job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", *engine[0],
+                             "--algo.advantage.estimator", "group_norm",
+                             *_flags(toy, name, vllm_num_engines=None, max_steps=6, **engine[1],
+                                     save_steps=-1, load_checkpoint=True)])
+    assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
+    steps = [row["step"] for row in _history(toy, name)[before:]]
+    assert steps == list(range(done + 1, 6)), steps  # 45 prompts: 5 steps of 8 an epoch
+
+
+@needs_ray
+@pytest.mark.slow
+def test_partial_rollouts_on_ray_run_with_openrlhfs_flags(cluster, toy):
+    """OpenRLHF's ``--train.async_enable --train.partial_rollout_enable`` with an engine actor of
+    its own: after each update the rollout generated ahead is held between two engine steps
+    (or found ended), takes the new weights and goes on; every rollout after the first is one
+    update behind and logs ``late_tokens`` (its share sampled after that sync), and the run
+    ends whole. (Whether a generation is still under way then depends on timing: seen 5-14%
+    late in 2 of 4 rollouts here. The stop itself is checked exactly on the in-rank engine,
+    tests/test_vllm.py, and the actor's second thread below.)"""
+    name = "ray_partial"
+    job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", "--vllm.num_engines", "1",
+                             "--algo.advantage.estimator", "group_norm", "--train.async_enable",
+                             "--train.partial_rollout_enable",
+                             *_flags(toy, name, vllm_num_engines=None, max_steps=5,
+                                     train_batch_size=8, micro_train_batch_size=4,
+                                     max_new_tokens=54, max_len=64, is_correction="tis")])
+    assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
+    rows = _history(toy, name)
+    assert [r["train/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    late = [r["train/late_tokens"] for r in rows]
+    assert late[0] == 0.0 and all(0.0 <= x <= 1.0 for x in late), late
+    assert _all_free(cluster), "the job's actors or placement groups still hold resources"
+
+
+@needs_ray
+@pytest.mark.slow
+def test_an_engine_actor_holds_its_generation_for_a_sync_and_lets_it_go_on(cluster, toy):
+    """``--partial_rollouts`` on an engine actor: a sync's hold that comes before the
+    generation begins stops it before its first engine step, so the generate waits (not done
+    after 3 s; two rows of 6 tokens take well under one) while the actor answers ``release``
+    on its second thread (one thread: the release would wait behind the held generate, a
+    deadlock); then it ends with every row's tokens counted as sampled after the sync."""
+    from dataclasses import asdict
+
+    import ray
+    from transformers import AutoConfig
+
+    from strategy.rollout.config import RolloutConfig
+    from strategy.rollout.vllm_ray import VllmEngine, engine_concurrency, engine_env
+
+    config = RolloutConfig(rollout_engine="vllm", vllm_enforce_eager=True, vllm_timeout=60,
+                           async_rollouts=1, partial_rollouts=True)
+    settings = {"max_new_tokens": 6, "do_sample": False, "eos_token_id": None,
+                "pad_token_id": 0}
+    ray.init(address=cluster.address)
+    engine = None
+    try:
+        engine = ray.remote(VllmEngine).options(
+            max_concurrency=engine_concurrency(config), num_cpus=1,
+            runtime_env={"env_vars": engine_env(1)}).remote(0, 1)
+        ray.get(engine.start.remote(AutoConfig.from_pretrained(toy / "init").to_json_string(),
+                                    "float32", asdict(config), 64, 1), timeout=120)
+        assert ray.get(engine.hold.remote(10), timeout=30) is False  # nothing generates yet
+        answer = engine.generate.remote([[5, 6, 7], [8, 9]], [1, 2], settings)
+        assert not ray.wait([answer], timeout=3)[0]  # held before its first step
+        ray.get(engine.release.remote(), timeout=10)
+        tokens, logprobs, split = ray.get(answer, timeout=60)
+        assert [len(t) for t in tokens] == [len(lp) for lp in logprobs] == [6, 6]
+        assert split == [0, 0]
+    finally:
+        try:
+            if engine is not None:
+                ray.get(engine.shutdown.remote(), timeout=60)
+        finally:
+            if engine is not None:
+                ray.kill(engine)
+            ray.shutdown()
 
 
 @needs_ray

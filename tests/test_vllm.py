@@ -267,6 +267,36 @@ def _check_corrected_losses(history: list[dict], inputs: list[dict]) -> None:
             assert row["is_outside"] > 0, row  # the clamp acted
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_a_generation_ahead_takes_new_weights_between_two_engine_steps(toy):
+    """Partial rollouts (``sync_in_flight``) on one engine spanning 2 ranks: a greedy
+    generation ahead stops after its 5th engine step on both ranks (held there until the sync
+    asks), takes weights W1 and goes on. Each row's first 5 tokens and their log-probs are
+    transformers' greedy ones under the W0 it started with, the rest W1's continuation of that
+    prefix (its keys and values recomputed: none of W0's cache is attended to), and W1 alone
+    going on would have given other tokens (so the check tells the two apart); ``late`` counts
+    the rows' tokens after the stop."""
+    from tests.support.helpers import run_job, torchrun_command
+
+    steps, new = 5, 12
+    job = run_job(torchrun_command("tests/scripts/vllm_partial.py", str(toy / "init"),
+                                   str(toy / "partial.json"), str(steps)), timeout=600)
+    assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
+    out = json.loads((toy / "partial.json").read_text())
+    tokens = [t for part in out["ranks"] for t in part["tokens"]]
+    logprobs = [lp for part in out["ranks"] for lp in part["logprobs"]]
+    assert [part["late"] for part in out["ranks"]] == [[2 * (new - steps), 2 * new]] * 2
+    differs = 0
+    for row, (w0, w1) in enumerate(zip(out["w0"], out["w1"])):
+        assert tokens[row][:steps] == w0[0][:steps], row
+        assert tokens[row][steps:] == w1[0], row
+        expected = w0[1][:steps] + w1[1]
+        assert logprobs[row] == pytest.approx(expected, abs=1e-4), row
+        differs += w0[0][steps:] != w1[0]
+    assert differs == len(tokens)  # W0 going on would have sampled other tokens
+
+
 # ------------------------------------------------------------ the correction, by hand and peer
 
 
@@ -326,6 +356,8 @@ def test_is_correction_equals_openrlhf_policy_loss(kind):
      "rank)"),
     ({"async_rollouts": 1, "dynamic_filtering": True}, "async_rollouts=1 is invalid: dynamic "
      "sampling decides the next round"),
+    ({"partial_rollouts": True}, "partial_rollouts=True is invalid: it continues a rollout "
+     "generated ahead; add --async_rollouts 1 or drop it"),
 ])
 def test_bad_engine_settings_are_one_line_before_any_process_group(toy, monkeypatch, change,
                                                                     message):

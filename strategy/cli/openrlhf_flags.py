@@ -220,6 +220,8 @@ DOTTED: dict[str, tuple[str, ...]] = {
     # one rollout ahead at most here (--async_rollouts 0 or 1); a queue size alone turns it on
     "train.async_enable": ("--async_rollouts", "1"),
     "train.async_queue_size": ("--async_rollouts", "{}"),
+    # vLLM's pause and resume there; here the engine stops between two of its steps
+    "train.partial_rollout_enable": ("--partial_rollouts",),
 }
 
 VALUE_MAPS: dict[str, dict[str, str]] = {
@@ -242,8 +244,6 @@ _VLLM = ("vLLM engines here run in every rank (--rollout_engine vllm) or on devi
          "of their own")
 _MUON = "Muon is not here; --optimizer fused_adam, cpu_adam or hybrid_adam (Adam)"
 _VLM = "vision-language training is not here; text prompts only"
-_ASYNC = ("partial rollouts are not here: a rollout is generated whole, on the weights of one "
-          "update (--async_rollouts 1 generates it while the step before trains)")
 _CRITIC = "the critic takes the policy's {} (its own setting here: --critic_learning_rate)"
 
 REFUSED: dict[str, str] = {
@@ -318,7 +318,6 @@ REFUSED: dict[str, str] = {
     "vllm.sync_with_ray": _VLLM,
     "vllm.enable_prefix_caching": "our vLLM engines always cache prefixes; drop it",
     "rollout.vllm_generate_batch_size": _VLLM,
-    "train.partial_rollout_enable": _ASYNC,
     # ---- PPO / GRPO
     "critic.freezing_steps": "no critic warm-up here: policy and critic train from the first step",
     "algo.kl.target": "no adaptive KL controller here: the weight is fixed (--kl_coef)",

@@ -36,7 +36,12 @@ from strategy.dist import first_line
 from strategy.errors import ConfigError, RankFailedError, StrategyError
 from strategy.rollout.config import ENGINES_VAR, RolloutConfig
 from strategy.rollout.remote_models import GROUP_NAMES, GROUPS_VAR
-from strategy.rollout.vllm_ray import VllmEngine, engine_env, remove_engine_files
+from strategy.rollout.vllm_ray import (
+    VllmEngine,
+    engine_concurrency,
+    engine_env,
+    remove_engine_files,
+)
 from strategy.trainers.config import TrainConfig
 
 SHUTDOWN_S = 60.0  # an engine's own shutdown (at most --vllm_timeout), before its actor is killed
@@ -119,7 +124,8 @@ class Job:
         for index, bundle in enumerate(bundles):
             name = f"vllm-engine-{index}"
             self.engines.append(remote.options(
-                name=name, namespace=self.namespace, max_concurrency=1,
+                name=name, namespace=self.namespace,
+                max_concurrency=engine_concurrency(self.rollout),
                 **self._options(group, bundle, resources, share, env)).remote(index, tp))
             self.where["vllm_engines"].append({"engine": index, "name": name, "bundle": bundle,
                                                "placement_group": group.id.hex()})

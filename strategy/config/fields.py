@@ -36,12 +36,12 @@ def check_positive(config: Any, *names: str) -> None:
             fail(name, getattr(config, name), "use a positive integer")
 
 
-def check_steps(config: Any, *names: str) -> None:
-    """Each named field is a positive number of steps, or -1 (off)."""
+def check_steps(config: Any, *names: str, unit: str = "steps") -> None:
+    """Each named field is a positive number of ``unit`` (steps, rollouts), or -1 (off)."""
     for name in names:
         value = getattr(config, name)
         if value == 0 or value < -1:
-            fail(name, value, "use a positive number of steps, or -1")
+            fail(name, value, f"use a positive number of {unit}, or -1")
 
 
 def check_fraction(config: Any, name: str, low: float = 0.0, high: float = 1.0) -> None:

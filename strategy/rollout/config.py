@@ -54,6 +54,12 @@ class RolloutConfig:
         "weights before its update (OpenRLHF's --train.async_enable, queue size 1): 0 (off) or "
         "1; logged staleness: updates between the samples' policy and the trained one", 0,
         trainers=("grpo", "ppo"))
+    partial_rollouts: bool = doc(
+        "vLLM, with --async_rollouts 1: once the policy updates, the rollout being generated "
+        "ahead stops between two engine steps, takes the new weights, and its unfinished "
+        "samples go on under them (OpenRLHF's --train.partial_rollout_enable); each token's "
+        "engine log-prob is the weights' that sampled it (pair with --is_correction); logged: "
+        "late_tokens, the share sampled after such a sync", False, trainers=("grpo", "ppo"))
     is_correction: str | None = doc(
         "vLLM: correct each token's loss for the engine's sampled log-prob differing from the "
         "trainer's, w = exp(trainer - engine): tis (w clamped to --is_correction_threshold) or "
@@ -74,6 +80,9 @@ class RolloutConfig:
         if self.async_rollouts not in (0, 1):
             fail("async_rollouts", self.async_rollouts, "one rollout ahead at most here; use 0 "
                  "or 1")
+        if self.partial_rollouts and not self.async_rollouts:
+            fail("partial_rollouts", True, "it continues a rollout generated ahead; add "
+                 "--async_rollouts 1 or drop it")
         if self.vllm_timeout <= 0:
             fail("vllm_timeout", self.vllm_timeout, "use a positive number of seconds, e.g. 1800")
         if self.vllm_tensor_parallel_size < 1:

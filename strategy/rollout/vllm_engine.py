@@ -54,6 +54,7 @@ from strategy.export.units import plan_export
 from strategy.internals import cpu_shm_names, unlink_cpu_shm
 from strategy.model import base_model, is_peft_model
 from strategy.rollout.config import RolloutConfig
+from strategy.rollout.partial import StepGate, agreed_step
 from strategy.rollout.vllm_checks import (
     check_cpu_kv_cache,
     check_engine_split,
@@ -221,15 +222,52 @@ def shm_prefix() -> str:
 
 
 def run_requests(llm: Any, prompts: list[list[int]], seeds: list[int],
-                 generation_config: GenerationConfig) -> tuple[list[list[int]], list[list[float]]]:
-    """Each prompt's completion tokens and their log-probs from ``llm``, one seed per row."""
-    requests = [{"prompt_token_ids": row} for row in prompts]
-    outputs = llm.generate(requests, sampling_params(generation_config, seeds), use_tqdm=False)
-    tokens = [list(out.outputs[0].token_ids) for out in outputs]
-    logprobs = [[step[token].logprob for step, token in zip(out.outputs[0].logprobs,
-                                                            out.outputs[0].token_ids)]
+                 generation_config: GenerationConfig, gate: StepGate | None = None
+                 ) -> tuple[list[list[int]], list[list[float]], list[int] | None]:
+    """Each prompt's completion tokens and their log-probs from ``llm``, one seed per row, the
+    engine stepped here (as ``LLM.generate`` does); a ``gate`` may stop it between two steps
+    for a sync (``strategy.rollout.partial``): then, third, each row's count of tokens sampled
+    before it (None: no sync in flight)."""
+    engine, done = llm.llm_engine, {}
+    try:
+        if gate is not None:  # a sync asked for before it began goes first
+            gate.between_steps(lambda: None)
+        llm.enqueue([{"prompt_token_ids": row} for row in prompts],
+                    sampling_params(generation_config, seeds), use_tqdm=False)
+        while engine.has_unfinished_requests():
+            if gate is not None:
+                gate.between_steps(lambda: sampled_so_far(engine))
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0]
+    finally:
+        if gate is not None:
+            gate.end()
+    ids = sorted(done, key=int)  # the order they were asked in (as ``LLM.generate`` sorts)
+    outputs = [done[i] for i in ids]
+    tokens = [list(out.token_ids) for out in outputs]
+    logprobs = [[step[token].logprob for step, token in zip(out.logprobs, out.token_ids)]
                 for out in outputs]
-    return tokens, logprobs
+    split = None
+    if gate is not None and gate.held:  # a request absent from the split had ended before it
+        split = [0 if gate.split is None else gate.split.get(i, len(row))
+                 for i, row in zip(ids, tokens)]
+    return tokens, logprobs, split
+
+
+def sampled_so_far(engine: Any) -> dict[str, int]:
+    """Each unfinished request's count of tokens sampled (vLLM's output processor keeps them
+    per request, by the id its output carries)."""
+    return {state.external_req_id or key: len(state.detokenizer.output_token_ids)
+            for key, state in engine.output_processor.request_states.items()}
+
+
+def late_tokens(tokens: list[list[int]], split: list[int] | None,
+                rows: slice) -> tuple[int, int] | None:
+    """``rows``' tokens sampled after a sync in flight, and all their tokens (None: none)."""
+    if split is None:
+        return None
+    return sum(len(t) - b for t, b in zip(tokens, split[rows])), sum(len(t) for t in tokens)
 
 
 def with_completions(input_ids: torch.Tensor, tokens: list[list[int]],
@@ -379,6 +417,9 @@ class VllmRollout:
         plan = plan_export(self.source, None, 2**62, merge_lora=is_peft_model(self.source))
         self._groups = group_units(plan.units)
         self.logprobs: list[list[float]] | None = None  # the last generate's, per row
+        self.late: tuple[int, int] | None = None  # its tokens sampled after a sync in flight,
+        # and all its tokens (this rank's rows; None: no sync in flight)
+        self._gate = StepGate()  # where a generation ahead stops for ``sync_in_flight``
         self._asleep = False
 
     def _weights(self, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -423,7 +464,21 @@ class VllmRollout:
         if self._asleep:
             self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._weights()})
-        self.llm.reset_prefix_cache()
+        self.llm.reset_prefix_cache(reset_running_requests=True)  # a held generation's too
+
+    def sync_in_flight(self) -> None:
+        """``sync`` while a generation runs ahead (``start_generate``; partial rollouts): it
+        stops between two engine steps (this engine's ranks at the same one), takes the
+        weights, and goes on under them (every rank calls this alike)."""
+        def run() -> None:
+            step = agreed_step(self._gate, self._peers.group)
+            try:
+                self._gate.hold(step, self.config.vllm_timeout, self.describe(self.rank))
+                self._sync()
+            finally:
+                self._gate.release()
+
+        self._call("sync", run)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  generation_config: GenerationConfig, group: int = 1) -> torch.Tensor:
@@ -442,22 +497,24 @@ class VllmRollout:
         seeds = draw_seeds(input_ids.shape[0])
         requests = self._call("share", lambda: self._peers.share(
             prompt_rows(input_ids, attention_mask), seeds))  # collective: here, not on the thread
+        self._gate.start()  # before the thread: a sync in flight may come at once
 
         def run() -> tuple[torch.Tensor, list[list[float]] | None]:
-            out = self._generate(requests, input_ids, generation_config)
+            out = self._generate(requests, input_ids, generation_config, self._gate)
             return out, self.logprobs  # this generation's, whatever runs after it
 
         return Ahead(run, self.rank, self.config.vllm_timeout, self.describe)
 
     def _generate(self, requests: Requests, input_ids: torch.Tensor,
-                  generation_config: GenerationConfig) -> torch.Tensor:
+                  generation_config: GenerationConfig, gate: StepGate | None = None
+                  ) -> torch.Tensor:
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
-        tokens, logprobs = run_requests(self.llm, requests.prompts, requests.seeds,
-                                        generation_config)
+        tokens, logprobs, split = run_requests(self.llm, requests.prompts, requests.seeds,
+                                               generation_config, gate)
         rows = slice(requests.start, requests.start + input_ids.shape[0])  # this rank's rows
-        self.logprobs = logprobs[rows]
+        self.logprobs, self.late = logprobs[rows], late_tokens(tokens[rows], split, rows)
         if self.config.vllm_enable_sleep:
             self.llm.sleep(level=1)
             self._asleep = True

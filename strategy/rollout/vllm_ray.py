@@ -38,6 +38,7 @@ from strategy.dist import checked, first_line, free_port
 from strategy.internals.vllm import SHM_DIR
 from strategy.model import base_model
 from strategy.rollout.config import ENGINES_VAR, RolloutConfig
+from strategy.rollout.partial import StepGate
 from strategy.rollout.vllm_checks import check_engine_split, check_head_size
 from strategy.rollout.vllm_engine import (
     EnginePeers,
@@ -46,6 +47,7 @@ from strategy.rollout.vllm_engine import (
     deadline,
     draw_seeds,
     engine_failure,
+    late_tokens,
     prompt_rows,
     run_requests,
     scratch_dir,
@@ -76,6 +78,13 @@ def engine_env(tp: int) -> dict[str, str]:
     return env
 
 
+def engine_concurrency(config: RolloutConfig) -> int:
+    """An engine actor's threads (Ray's ``max_concurrency``): with ``--partial_rollouts`` a
+    sync's calls (``hold``, ``receive_weights``, ``release``) run while a generate waits held;
+    otherwise one call at a time."""
+    return 2 if config.partial_rollouts else 1
+
+
 def generation_settings(generation_config: GenerationConfig) -> dict[str, Any]:
     """What an engine actor needs of a ``GenerationConfig``, as plain values."""
     return {key: getattr(generation_config, key, None) for key in GENERATION_KEYS}
@@ -88,6 +97,7 @@ class VllmEngine:
         self.index, self.tp = index, tp
         self.llm: Any = None
         self.broken: str | None = None
+        self.gate = StepGate()  # partial rollouts: where a generation stops for a sync
         self.shm_files: set[str] = set()  # what ``_record_shm`` noted so far
         # the engine's temp files (vLLM's file store, vllm_dist_*) in a folder of its own, which
         # the driver removes on this node when the actor was killed (``remove_engine_files``)
@@ -148,16 +158,28 @@ class VllmEngine:
                              None, (host, port, first, size, seconds))
 
     def receive_weights(self) -> None:
-        """One sync's stream, into every worker; the prefix cache then reset."""
+        """One sync's stream, into every worker; the prefix cache then reset (a held
+        generation's requests too: they recompute under the new weights)."""
         self._checked(self.llm.collective_rpc, "strategy_receive")
-        self.llm.reset_prefix_cache()
+        self.llm.reset_prefix_cache(reset_running_requests=True)
         self._record_shm()
 
-    def generate(self, prompts: list[list[int]], seeds: list[int],
-                 settings: dict) -> tuple[list[list[int]], list[list[float]]]:
-        """Each prompt's completion tokens and their log-probs."""
+    def hold(self, seconds: float) -> bool:
+        """Partial rollouts: the generation under way stops before its next engine step (True
+        once it did; False when none runs: one that begins waits, as for ``release``)."""
+        return self.gate.hold(self.gate.cap(), seconds, f"vLLM engine {self.index}")
+
+    def release(self) -> None:
+        """The held generation goes on."""
+        self.gate.release()
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], settings: dict
+                 ) -> tuple[list[list[int]], list[list[float]], list[int] | None]:
+        """Each prompt's completion tokens, their log-probs, and (a sync in flight) each
+        one's tokens sampled before it."""
+        self.gate.start()
         return self._checked(run_requests, self.llm, prompts, seeds,
-                             GenerationConfig(**settings))
+                             GenerationConfig(**settings), self.gate)
 
     def shutdown(self) -> None:
         """End the engine through vLLM's own shutdown (its processes and shared memory), then
@@ -365,12 +387,27 @@ class RayVllmRollout(VllmRollout):
         return self._call("generate", lambda: self._get(
             [ref], "generate", [self.rank // self.per])[0] if ref is not None else None)
 
+    def sync_in_flight(self) -> None:
+        """``sync`` while generations run ahead in the engines (partial rollouts): each
+        stops between two engine steps, takes the weights, and goes on under them."""
+        self._call("sync", self._sync_held)
+
+    def _sync_held(self) -> None:
+        holds = [e.hold.remote(self.config.vllm_timeout) for e in self.engines] \
+            if self.rank == 0 else []
+        try:
+            self._get(holds, "sync")
+            self._sync()
+        finally:
+            for engine in self.engines if self.rank == 0 else []:
+                engine.release.remote()
+
     def _rows(self, answer: Any, requests: Requests, input_ids: torch.Tensor,
               generation_config: GenerationConfig) -> torch.Tensor:
         """This rank's rows of its engine's answer (handed on from the engine's first rank)."""
-        tokens, logprobs = self._peers.spread(answer)
+        tokens, logprobs, split = self._peers.spread(answer)
         rows = slice(requests.start, requests.start + input_ids.shape[0])
-        self.logprobs = logprobs[rows]
+        self.logprobs, self.late = logprobs[rows], late_tokens(tokens[rows], split, rows)
         return with_completions(input_ids, tokens[rows], generation_config.pad_token_id)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -77,10 +77,10 @@ def inject(rollouts, rank: int) -> None:
     kind, _, where = os.environ.get("VLLM_FAULT", "").partition(":")
     if not kind or int(where) != rank:
         return
-    owner, name = rollouts.llm, "generate"
+    owner, name = rollouts.llm, "enqueue"  # once per generation
     real, calls = getattr(owner, name), []
 
-    def generate(*args, **kwargs):
+    def enqueue(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3 and kind == "raise":
             raise RuntimeError("injected engine failure")
@@ -88,7 +88,7 @@ def inject(rollouts, rank: int) -> None:
             time.sleep(3600)
         return real(*args, **kwargs)
 
-    setattr(owner, name, generate)
+    setattr(owner, name, enqueue)
 
 
 def main() -> None:

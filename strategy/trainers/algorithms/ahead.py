@@ -32,7 +32,9 @@ class EngineRollouts:
         if self._ahead is None:  # the first rollout (or a resume without one in flight)
             self._ahead = self._launch(self.next_prompts())
         batch, generation, version = self._ahead
+        self._sync_in_flight()
         out, engine = generation.wait()
+        late = self._late_share(generation)
         self._ahead = None
         sampled = self._scored(batch, out[:, batch["prompt_ids"].shape[1]:], engine)
         self._components = sampled.components
@@ -40,9 +42,24 @@ class EngineRollouts:
         rollout = self.global_step // self.grpo.ppo_epochs
         if rollout + 1 < self.step_plan.total_steps // self.grpo.ppo_epochs:
             self._ahead = self._launch(self.next_prompts())
-        return batches, {**metrics, **self._sync_metric(),
+        return batches, {**metrics, **self._sync_metric(), **late,
                          "staleness": (float(rollout - version), 1),
                          "generation_s": (time.perf_counter() - start, 1)}
+
+    def _sync_in_flight(self) -> None:
+        """``--partial_rollouts``: the policy moved since the engine's last sync, so the
+        rollout under way takes the new weights now, between two engine steps (a finished one:
+        a plain sync)."""
+        if self.rollout_config.partial_rollouts:
+            self._sync_rollouts(in_flight=True)
+
+    def _late_share(self, generation: Any) -> dict:
+        """``--partial_rollouts``: the share of this rank's sampled tokens that came after the
+        sync in flight (0 when the rollout had ended before it; none for a saved rollout)."""
+        if not self.rollout_config.partial_rollouts or isinstance(generation, Done):
+            return {}
+        late, total = self.rollouts.late or (0, 0)
+        return {"late_tokens": (late / total if total else 0.0, 1)}
 
     def _launch(self, batch: dict) -> tuple[dict, Any, int]:
         """Start generating ``batch``'s rollout from the current weights: the engine synced, the
@@ -62,6 +79,7 @@ class EngineRollouts:
         ahead = None
         if self._ahead is not None:
             batch, generation, version = self._ahead
+            self._sync_in_flight()  # as the next rollout_ahead would, before the rest
             ahead = (batch, generation.wait(), version)
             self._ahead = (batch, Done(ahead[1]), version)
         return self.strategy.all_gather_object(ahead)  # rank 0 saves it

@@ -80,14 +80,15 @@ class ExperienceMaker:
                             top_p=g.top_p, top_k=g.top_k)
         return settings
 
-    def _sync_rollouts(self) -> None:
-        """The rollout engine to the policy's weights, if they moved since its last sync (an
-        in-flight generation finished first: nothing else may use the engine meanwhile)."""
-        if self._ahead is not None:
+    def _sync_rollouts(self, in_flight: bool = False) -> None:
+        """The rollout engine to the policy's weights, if they moved since its last sync: an
+        in-flight generation finished first (nothing else may use the engine meanwhile), or
+        (``in_flight``: partial rollouts) stopped between two engine steps for it."""
+        if self._ahead is not None and not in_flight:
             self._ahead[1].join()
         if self._synced_at != self.global_step:
             start = time.perf_counter()
-            self.rollouts.sync()
+            (self.rollouts.sync_in_flight if in_flight else self.rollouts.sync)()
             self._synced_at, self._sync_s = self.global_step, time.perf_counter() - start
 
     def _completions(self, completions: torch.Tensor) -> list[list[int]]:

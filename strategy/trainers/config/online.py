@@ -354,7 +354,7 @@ class GRPOConfig:
             if getattr(self, name) is not None:
                 check_positive(self, name)
         check_steps(self, *(name for name in ("save_rollouts", "eval_rollouts")
-                            if getattr(self, name) is not None))
+                            if getattr(self, name) is not None), unit="rollouts")
         self._check_eval_sampling()
         if self.reward_fn is None and self.reward_pretrain is None \
                 and self.remote_rm_url is None and self.agent_func_path is None:
