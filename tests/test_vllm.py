@@ -358,6 +358,8 @@ def test_is_correction_equals_openrlhf_policy_loss(kind):
      "sampling decides the next round"),
     ({"partial_rollouts": True}, "partial_rollouts=True is invalid: it continues a rollout "
      "generated ahead; add --async_rollouts 1 or drop it"),
+    ({"temperature": 3.0}, "temperature=3.0 is invalid: vLLM samples at temperatures in [0, 2]; "
+     "use one there, or --rollout_engine hf"),
 ])
 def test_bad_engine_settings_are_one_line_before_any_process_group(toy, monkeypatch, change,
                                                                     message):
@@ -390,6 +392,21 @@ def test_an_engine_of_several_ranks_splits_the_attention_heads():
                            f"this model: its {heads} attention heads \\({kv} key/value heads\\) "
                            f"do not split among {tp} ranks"):
             check_engine_split(shape(heads, kv), tp)
+
+
+def test_a_longest_sequence_beyond_the_models_positions_is_one_line():
+    """vLLM does not run past ``max_position_embeddings``: the engines refuse it in one line
+    before they start (vLLM's own refusal is a validation error from inside its start)."""
+    from transformers import LlamaConfig
+
+    from strategy.rollout.vllm_checks import check_model_len
+
+    check_model_len(LlamaConfig(max_position_embeddings=64), 64)
+    with pytest.raises(ConfigError, match=r"^rollout_engine='vllm' is invalid here: the longest "
+                       r"prompt and --max_new_tokens make 65 tokens, more than the model's 64 "
+                       r"positions \(max_position_embeddings\), beyond which vLLM does not "
+                       r"run; lower --max_new_tokens or use shorter prompts$"):
+        check_model_len(LlamaConfig(max_position_embeddings=64), 65)
 
 
 def test_vllm_missing_is_one_line_naming_the_extra(toy, monkeypatch):

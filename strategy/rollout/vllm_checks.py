@@ -97,3 +97,14 @@ def check_head_size(config: Any) -> None:
         raise ConfigError(f"rollout_engine='vllm' is invalid for this model: vLLM's CPU "
                           f"attention runs head sizes {sizes}, the model's is {size}; use "
                           "--rollout_engine hf")
+
+
+def check_model_len(config: Any, max_model_len: int) -> None:
+    """vLLM refuses a longest sequence beyond the model's positions (a validation error from
+    inside its start): one line first, every rank alike."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and max_model_len > positions:
+        raise ConfigError(f"rollout_engine='vllm' is invalid here: the longest prompt and "
+                          f"--max_new_tokens make {max_model_len} tokens, more than the model's "
+                          f"{positions} positions (max_position_embeddings), beyond which vLLM "
+                          "does not run; lower --max_new_tokens or use shorter prompts")

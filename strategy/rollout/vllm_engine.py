@@ -59,6 +59,7 @@ from strategy.rollout.vllm_checks import (
     check_cpu_kv_cache,
     check_engine_split,
     check_head_size,
+    check_model_len,
 )
 
 
@@ -403,6 +404,7 @@ class VllmRollout:
         self.source, self.config = engine.module, config
         self.rank = int(os.environ.get("RANK", "0"))
         check_head_size(base_model(self.source).config)
+        check_model_len(base_model(self.source).config, max_model_len)
         check_engine_split(base_model(self.source).config, config.vllm_tensor_parallel_size)
         self._peers = EnginePeers(config.vllm_tensor_parallel_size)
         with scratch_dir() as directory:  # the engine reads its config.json at start only

@@ -39,7 +39,7 @@ from strategy.internals.vllm import SHM_DIR
 from strategy.model import base_model
 from strategy.rollout.config import ENGINES_VAR, RolloutConfig
 from strategy.rollout.partial import StepGate
-from strategy.rollout.vllm_checks import check_engine_split, check_head_size
+from strategy.rollout.vllm_checks import check_engine_split, check_head_size, check_model_len
 from strategy.rollout.vllm_engine import (
     EnginePeers,
     Requests,
@@ -278,6 +278,7 @@ class RayVllmRollout(VllmRollout):
         self._peers = EnginePeers(self.per)
         model = base_model(self.source)
         check_head_size(model.config)
+        check_model_len(model.config, max_model_len)
         check_engine_split(model.config, config.vllm_tensor_parallel_size)
         untied, self._tied = untied_config(model)
         self._group: Any = None  # the sync's process group, on rank 0

@@ -137,6 +137,10 @@ def check_rollout(rollout: RolloutConfig, grpo: GRPOConfig, world_size: int,
         fail("async_rollouts", rollout.async_rollouts, "an episode's next turn waits for the "
              "environment's answer to the last; drop --async_rollouts (or the environment: "
              "--agent_func_path, --tools)")
+    for name in ("temperature", "eval_temperature"):
+        if rollout.vllm and getattr(grpo, name) > 2:
+            fail(name, getattr(grpo, name), "vLLM samples at temperatures in [0, 2]; use one "
+                 "there, or --rollout_engine hf")
     if rollout.is_correction is not None and grpo.policy_loss_type != "ppo":
         fail("is_correction", rollout.is_correction, "it weighs each token's loss, as "
              "OpenRLHF's; use it with --policy_loss_type ppo or drop it")
