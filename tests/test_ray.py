@@ -734,10 +734,11 @@ def test_an_engine_actor_holds_its_generation_for_a_sync_and_lets_it_go_on(clust
 @pytest.mark.slow
 def test_a_node_that_dies_is_one_line_naming_it_and_the_job_ends(cluster, toy):
     """Once training runs, the cluster's other node (not the head) dies (its raylet and every
-    process on it killed, as a machine lost): the job ends in one line naming a group's rank on
-    that node and that it died (the reference group's there, asked by the actor ranks; or an
-    actor rank's, where the reference sits on the head), exit 1, and every actor and placement
-    group of the job is gone. The node joins again after."""
+    process on it killed, as a machine lost): the job ends in one line naming what was on that
+    node and that it died (an actor rank's; or, where the reference and the vLLM engine were
+    there, whichever the actor ranks asked first: the reference group's rank, or the engine
+    with its node, unreachable as "its process or its node is gone"), exit 1, and every actor
+    and placement group of the job is gone. The node joins again after."""
     name = "node_dead"
     dead: dict = {}
 
@@ -748,10 +749,9 @@ def test_a_node_that_dies_is_one_line_naming_it_and_the_job_ends(cluster, toy):
 
     try:
         job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", "--ref.num_gpus_per_node", "1",
-                                 "--algo.advantage.estimator", "group_norm",
-                                 *_flags(toy, name, vllm_num_engines=None, rollout_engine="hf",
-                                         vllm_enforce_eager=None, vllm_timeout=None,
-                                         max_epochs=40, max_steps=200)],  # minutes: it cannot
+                                 "--vllm.num_engines", "1", "--algo.advantage.estimator",
+                                 "group_norm", *_flags(toy, name, vllm_num_engines=None,
+                                                       max_epochs=40, max_steps=200)],  # cannot
                        watch=_act_once_trained(toy, name, 1, lose_the_worker_node))  # end first
     finally:
         if len(cluster.worker_nodes) < 1:  # the next tests' second node
@@ -760,17 +760,22 @@ def test_a_node_that_dies_is_one_line_naming_it_and_the_job_ends(cluster, toy):
     assert job.returncode == 1, (job.stdout + job.stderr)[-4000:]
     where = json.loads((toy / name / "logs" / "placement.json").read_text())
     held = {group: [r for r in where[group] if r["node_id"] == dead["id"]]
-            for group in ("actor", "ref")}
+            for group in ("actor", "ref", "vllm_engines")}
     line = job.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ") and "Traceback" not in job.stderr[-2000:], job.stderr[-3000:]
+    node = f"{dead['id'][:8]}"
     if held["actor"]:  # the actor ranks were on it: the driver names the one that died
         rank = held["actor"][0]
         assert line.startswith(f"error: actor group rank {rank['rank']} (node {rank['ip']} "
-                               f"{dead['id'][:8]}) died: "), line
-    else:  # the reference was: the actor rank asking it names it
-        assert held["ref"], where
-        assert (f": reference group rank 0 (node {held['ref'][0]['ip']} {dead['id'][:8]}) "
-                "died: ") in line, line
+                               f"{node}) died: "), line
+    else:  # the reference and the engine were: the actor rank asking one names it
+        assert held["ref"] and held["vllm_engines"], where
+        ip = held["ref"][0]["ip"]
+        assert (f": reference group rank 0 (node {ip} {node}) died: " in line or
+                f": vLLM engine 0 (Ray actor vllm-engine-0 on node {ip} {node}, serving ranks "
+                "0-1) failed in " in line and "its node is gone)" in line), line
+        # its files went with the machine (here the simulated node shares this one's disk)
+        shutil.rmtree(held["vllm_engines"][0]["scratch"], ignore_errors=True)
     assert len(_history(toy, name)) < 200  # it stopped
     assert _all_free(cluster), "the job's actors or placement groups still hold resources"
 

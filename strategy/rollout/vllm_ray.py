@@ -275,6 +275,8 @@ class RayVllmRollout(VllmRollout):
         self.engines = [ray.get_actor(name, namespace=spec["namespace"]) for name in self.names]
         self.per = world // len(self.engines)
         self.first = self.rank - self.rank % self.per  # the rank that asks this rank's engine
+        self.places: list[dict] = []  # each engine's node, as its line names it
+        self.places = self._get([e.where.remote() for e in self.engines], "start")
         self._peers = EnginePeers(self.per)
         model = base_model(self.source)
         check_head_size(model.config)
@@ -287,9 +289,11 @@ class RayVllmRollout(VllmRollout):
         self._prepare_stream()
 
     def describe(self, rank: int) -> str:
-        first = rank - rank % self.per
-        return (f"vLLM engine {rank // self.per} (Ray actor {self.names[rank // self.per]}, "
-                f"serving ranks {first}-{first + self.per - 1})")
+        index, first = rank // self.per, rank - rank % self.per
+        place = self.places[index] if self.places else None
+        node = f" on node {place['ip']} {place['node_id'][:8]}" if place else ""
+        return (f"vLLM engine {index} (Ray actor {self.names[index]}{node}, serving ranks "
+                f"{first}-{first + self.per - 1})")
 
     def _call(self, name: str, fn: Any) -> Any:
         """As the in-rank engine's, but every wait here has a deadline of its own that raises (an
@@ -314,14 +318,27 @@ class RayVllmRollout(VllmRollout):
                 self._end_hung(index)
                 raise TimeoutError(f"engine {index} did not answer {call} within "
                                    f"--vllm_timeout={self.config.vllm_timeout:g} s") from None
+            except ray.exceptions.ActorUnavailableError:  # no answer at its address (yet)
+                why = "its node is gone" if self._node_lost(index) else \
+                    "unreachable: its process or its node is gone"
+                raise ConnectionError(f"engine {index}'s actor died in {call} ({why})") from None
             except ray.exceptions.RayActorError as exc:
-                raise ConnectionError(f"engine {index}'s actor died in {call} "
-                                      f"({first_line(exc)})") from None
+                why = "its node is gone" if self._node_lost(index) else first_line(exc)
+                raise ConnectionError(f"engine {index}'s actor died in {call} ({why})") from None
             except ray.exceptions.RayTaskError as exc:
                 cause = exc.cause if exc.cause is not None else exc
                 raise RuntimeError(f"engine {index} failed in {call}: "
                                    f"{type(cause).__name__}: {first_line(cause)}") from None
         return out
+
+    def _node_lost(self, index: int) -> bool:
+        """Engine ``index``'s node is no longer alive in the cluster."""
+        import ray  # the optional extra: a Ray job only
+
+        if not self.places:
+            return False
+        node = self.places[index]["node_id"]
+        return not any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
 
     def _end_hung(self, index: int) -> None:
         """Engine ``index`` missed its deadline (stopped, hung): its actor is killed now, as it
