@@ -224,7 +224,9 @@ def test_an_engines_record_of_its_shared_memory_names_its_semaphores_and_removes
     try:
         found = shm_mapped_by([os.getpid()])
         assert sem in found and segment.name in found, found
-        (tmp_path / SHM_RECORD).write_text(json.dumps(found))
+        # only these two: the rest are this process's own (a rank pool's queues), which their
+        # finalizers unlink later (removed here, each would fail doing so)
+        (tmp_path / SHM_RECORD).write_text(json.dumps([sem, segment.name]))
         remove_engine_files(str(tmp_path))
         assert not os.path.exists(f"/dev/shm/{sem}") and not tmp_path.exists()
         assert not os.path.exists(f"/dev/shm/{segment.name}")
@@ -667,9 +669,9 @@ def test_partial_rollouts_on_ray_run_with_openrlhfs_flags(cluster, toy):
     its own: after each update the rollout generated ahead is held between two engine steps
     (or found ended), takes the new weights and goes on; every rollout after the first is one
     update behind and logs ``late_tokens`` (its share sampled after that sync), and the run
-    ends whole. (Whether a generation is still under way then depends on timing: seen 5-14%
-    late in 2 of 4 rollouts here. The stop itself is checked exactly on the in-rank engine,
-    tests/test_vllm.py, and the actor's second thread below.)"""
+    ends whole. (Whether a generation is still under way then depends on timing: here about
+    half the rollouts had some tokens late, the rest none. The stop itself is checked exactly on
+    the in-rank engine, tests/test_vllm.py, and the actor's second thread below.)"""
     name = "ray_partial"
     job = _ray_job(cluster, ["--actor.num_gpus_per_node", "2", "--vllm.num_engines", "1",
                              "--algo.advantage.estimator", "group_norm", "--train.async_enable",
@@ -764,10 +766,9 @@ def test_a_node_that_dies_is_one_line_naming_it_and_the_job_ends(cluster, toy):
     line = job.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ") and "Traceback" not in job.stderr[-2000:], job.stderr[-3000:]
     node = f"{dead['id'][:8]}"
-    if held["actor"]:  # the actor ranks were on it: the driver names the one that died
-        rank = held["actor"][0]
-        assert line.startswith(f"error: actor group rank {rank['rank']} (node {rank['ip']} "
-                               f"{node}) died: "), line
+    if held["actor"]:  # the actor ranks were on it: the driver names one that died
+        assert any(line.startswith(f"error: actor group rank {rank['rank']} (node {rank['ip']} "
+                                   f"{node}) died: ") for rank in held["actor"]), line
     else:  # the reference and the engine were: the actor rank asking one names it
         assert held["ref"] and held["vllm_engines"], where
         ip = held["ref"][0]["ip"]

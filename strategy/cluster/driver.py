@@ -238,6 +238,8 @@ class Job:
     def failure(self, group: str, place: dict, exc: Any) -> str:
         """One line: the group, the rank, its node, and what happened."""
         where = f"{group} rank {place['rank']} (node {place['ip']} {place['node_id'][:8]})"
+        if isinstance(exc, self.ray.exceptions.ActorUnavailableError):  # Ray's RPC text else
+            return f"{where} died: unreachable: its process or its node is gone"
         if isinstance(exc, self.ray.exceptions.RayActorError):
             return f"{where} died: {first_line(exc)}"
         cause = getattr(exc, "cause", None) or exc
