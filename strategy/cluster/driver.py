@@ -37,6 +37,7 @@ from strategy.errors import ConfigError, RankFailedError, StrategyError
 from strategy.rollout.config import ENGINES_VAR, RolloutConfig
 from strategy.rollout.remote_models import GROUP_NAMES, GROUPS_VAR
 from strategy.rollout.vllm_ray import (
+    UNREACHABLE,
     VllmEngine,
     engine_concurrency,
     engine_env,
@@ -239,7 +240,7 @@ class Job:
         """One line: the group, the rank, its node, and what happened."""
         where = f"{group} rank {place['rank']} (node {place['ip']} {place['node_id'][:8]})"
         if isinstance(exc, self.ray.exceptions.ActorUnavailableError):  # Ray's RPC text else
-            return f"{where} died: unreachable: its process or its node is gone"
+            return f"{where} died: {UNREACHABLE}"
         if isinstance(exc, self.ray.exceptions.RayActorError):
             return f"{where} died: {first_line(exc)}"
         cause = getattr(exc, "cause", None) or exc

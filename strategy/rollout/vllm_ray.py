@@ -62,6 +62,7 @@ GENERATION_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k
                    "eos_token_id", "pad_token_id")
 SHM_RECORD = "shm-files.json"  # in an engine actor's temp folder: its processes' /dev/shm files
 STREAM_ANSWER_S = 10.0  # a broken stream: how long its engines get to say why (a dead worker)
+UNREACHABLE = "unreachable: its process or its node is gone"  # Ray's ActorUnavailableError
 WATCHDOG_GRACE_S = 30.0  # past its Ray waits' own deadlines, before a rank ends itself
 
 
@@ -318,12 +319,9 @@ class RayVllmRollout(VllmRollout):
                 self._end_hung(index)
                 raise TimeoutError(f"engine {index} did not answer {call} within "
                                    f"--vllm_timeout={self.config.vllm_timeout:g} s") from None
-            except ray.exceptions.ActorUnavailableError:  # no answer at its address (yet)
-                why = "its node is gone" if self._node_lost(index) else \
-                    "unreachable: its process or its node is gone"
-                raise ConnectionError(f"engine {index}'s actor died in {call} ({why})") from None
             except ray.exceptions.RayActorError as exc:
-                why = "its node is gone" if self._node_lost(index) else first_line(exc)
+                why = "its node is gone" if self._node_lost(index) else UNREACHABLE \
+                    if isinstance(exc, ray.exceptions.ActorUnavailableError) else first_line(exc)
                 raise ConnectionError(f"engine {index}'s actor died in {call} ({why})") from None
             except ray.exceptions.RayTaskError as exc:
                 cause = exc.cause if exc.cause is not None else exc
