@@ -15,8 +15,8 @@ OpenRLHF's hybrid engine), fed the policy's weights after every change.
 - ``--vllm_tensor_parallel_size N``: one engine spans each N consecutive ranks (vLLM's own
   tensor-parallel groups inside the same world), each rank streaming it the whole units (its
   loaders keep their shard). Every rank of an engine must hand it the same requests: a
-  generation gathers its ranks' prompts and seeds (``EnginePeers``, a process group per engine,
-  always on the calling thread) and each rank keeps its own rows.
+  generation gathers its ranks' prompts and seeds (``vllm_requests.EnginePeers``, a process
+  group per engine, always on the calling thread) and each rank keeps its own rows.
 - ``generate``: token ids in (no tokenizer in the engine), per-row seeds drawn from the caller's
   seeded generator (the same completions in a resumed run), exactly the settings asked for (the
   checkpoint's ``generation_config`` is not read: ``generation_config="vllm"``), stopping at the
@@ -40,7 +40,6 @@ import sys
 import tempfile
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -60,6 +59,15 @@ from strategy.rollout.vllm_checks import (
     check_engine_split,
     check_head_size,
     check_model_len,
+)
+from strategy.rollout.vllm_requests import (
+    EnginePeers,
+    Requests,
+    draw_seeds,
+    late_tokens,
+    prompt_rows,
+    run_requests,
+    with_completions,
 )
 
 
@@ -95,24 +103,6 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
-
-
-def sampling_params(generation_config: GenerationConfig, seeds: list[int]) -> list[Any]:
-    """One ``vllm.SamplingParams`` per row: greedy or sampled as ``generation_config`` says,
-    ``max_new_tokens`` at most, stopping at its end ids alone."""
-    from vllm import SamplingParams  # the optional extra: imported only once the engine runs
-
-    eos = generation_config.eos_token_id
-    stop = None if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    sample = bool(generation_config.do_sample)
-    settings = dict(max_tokens=generation_config.max_new_tokens, ignore_eos=True,
-                    stop_token_ids=stop, logprobs=0, detokenize=False,
-                    skip_special_tokens=False, temperature=0.0)
-    if sample:
-        settings.update(temperature=float(generation_config.temperature or 1.0),
-                        top_p=float(generation_config.top_p or 1.0),
-                        top_k=int(generation_config.top_k or 0))
-    return [SamplingParams(seed=seed, **settings) for seed in seeds]
 
 
 def untied_config(model: Any) -> tuple[Any, dict[str, str]]:
@@ -220,118 +210,6 @@ def shm_prefix() -> str:
     """How an engine names its CPU shared memory: after the port of the process group it joins
     (this process's job's, else its own pid), so no two live jobs share a name."""
     return f"strategy{os.environ.get('MASTER_PORT', os.getpid())}"
-
-
-def run_requests(llm: Any, prompts: list[list[int]], seeds: list[int],
-                 generation_config: GenerationConfig, gate: StepGate | None = None
-                 ) -> tuple[list[list[int]], list[list[float]], list[int] | None]:
-    """Each prompt's completion tokens and their log-probs from ``llm``, one seed per row, the
-    engine stepped here (as ``LLM.generate`` does); a ``gate`` may stop it between two steps
-    for a sync (``strategy.rollout.partial``): then, third, each row's count of tokens sampled
-    before it (None: no sync in flight)."""
-    engine, done = llm.llm_engine, {}
-    try:
-        if gate is not None:  # a sync asked for before it began goes first
-            gate.between_steps(lambda: None)
-        llm.enqueue([{"prompt_token_ids": row} for row in prompts],
-                    sampling_params(generation_config, seeds), use_tqdm=False)
-        while engine.has_unfinished_requests():
-            if gate is not None:
-                gate.between_steps(lambda: sampled_so_far(engine))
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0]
-    finally:
-        if gate is not None:
-            gate.end()
-    ids = sorted(done, key=int)  # the order they were asked in (as ``LLM.generate`` sorts)
-    outputs = [done[i] for i in ids]
-    tokens = [list(out.token_ids) for out in outputs]
-    logprobs = [[step[token].logprob for step, token in zip(out.logprobs, out.token_ids)]
-                for out in outputs]
-    split = None
-    if gate is not None and gate.held:  # a request absent from the split had ended before it
-        split = [0 if gate.split is None else gate.split.get(i, len(row))
-                 for i, row in zip(ids, tokens)]
-    return tokens, logprobs, split
-
-
-def sampled_so_far(engine: Any) -> dict[str, int]:
-    """Each unfinished request's count of tokens sampled (vLLM's output processor keeps them
-    per request, by the id its output carries)."""
-    return {state.external_req_id or key: len(state.detokenizer.output_token_ids)
-            for key, state in engine.output_processor.request_states.items()}
-
-
-def late_tokens(tokens: list[list[int]], split: list[int] | None,
-                rows: slice) -> tuple[int, int] | None:
-    """``rows``' tokens sampled after a sync in flight, and all their tokens (None: none)."""
-    if split is None:
-        return None
-    return sum(len(t) - b for t, b in zip(tokens, split[rows])), sum(len(t) for t in tokens)
-
-
-def with_completions(input_ids: torch.Tensor, tokens: list[list[int]],
-                     pad: int | None) -> torch.Tensor:
-    """What ``generate`` returns: the prompts, then each row's completion padded after its end."""
-    pad = pad or 0
-    width = max((len(t) for t in tokens), default=0)
-    new = torch.tensor([t + [pad] * (width - len(t)) for t in tokens], dtype=input_ids.dtype)
-    return torch.cat([input_ids, new.to(input_ids.device).reshape(len(tokens), width)], 1)
-
-
-def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
-    """Left-padded prompts as token lists, padding dropped."""
-    return [row[keep.bool()].tolist() for row, keep in zip(input_ids.cpu(), attention_mask.cpu())]
-
-
-@dataclass(frozen=True)
-class Requests:
-    """What one engine generates: its ranks' prompts and seeds in rank order, and where this
-    rank's rows start among them."""
-
-    prompts: list[list[int]]
-    seeds: list[int]
-    start: int = 0
-
-
-class EnginePeers:
-    """The ranks one engine spans (``--vllm_tensor_parallel_size``: consecutive ranks, one
-    process group each, made by every rank alike). Every rank of an engine hands it the same
-    requests: each rank's rows are gathered and each takes its own results back."""
-
-    def __init__(self, tp: int) -> None:
-        self.size, self.group, self.index = tp, None, 0
-        if tp == 1:
-            return
-        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        for first in range(0, world, tp):  # every rank enters every new_group
-            group = torch.distributed.new_group(list(range(first, first + tp)))
-            if first <= rank < first + tp:
-                self.group, self.index = group, rank - first
-
-    def share(self, prompts: list[list[int]], seeds: list[int]) -> Requests:
-        """The engine's requests: this rank's alone, or all its ranks' (collective on them)."""
-        if self.group is None:
-            return Requests(prompts, seeds)
-        parts: list[Any] = [None] * self.size
-        torch.distributed.all_gather_object(parts, (prompts, seeds), group=self.group)
-        start = sum(len(p) for p, _ in parts[:self.index])
-        return Requests([row for p, _ in parts for row in p], [s for _, ss in parts for s in ss],
-                        start)
-
-    def spread(self, value: Any) -> Any:
-        """The engine's first rank's ``value``, on each of its ranks (collective on them)."""
-        if self.group is None:
-            return value
-        box = [value]
-        torch.distributed.broadcast_object_list(box, group=self.group, group_src=0)
-        return box[0]
-
-
-def draw_seeds(rows: int) -> list[int]:
-    """One vLLM seed per row from the global generator (the caller's seeded one)."""
-    return torch.randint(0, 2**31 - 1, (rows,)).tolist()
 
 
 def engine_failure(describe: Callable[[int], str], call: str) -> Callable[[int, str],

@@ -41,18 +41,20 @@ from strategy.rollout.config import ENGINES_VAR, RolloutConfig
 from strategy.rollout.partial import StepGate
 from strategy.rollout.vllm_checks import check_engine_split, check_head_size, check_model_len
 from strategy.rollout.vllm_engine import (
-    EnginePeers,
-    Requests,
     VllmRollout,
     deadline,
-    draw_seeds,
     engine_failure,
-    late_tokens,
-    prompt_rows,
-    run_requests,
     scratch_dir,
     start_llm,
     untied_config,
+)
+from strategy.rollout.vllm_requests import (
+    EnginePeers,
+    Requests,
+    draw_seeds,
+    late_tokens,
+    prompt_rows,
+    run_requests,
     with_completions,
 )
 from strategy.rollout.weight_stream import send_weights, weight_group
