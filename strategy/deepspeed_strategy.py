@@ -31,7 +31,13 @@ from strategy.checkpoint import (
 from strategy.config import StrategyConfig, build_ds_config, build_eval_ds_config
 from strategy.dtypes import training_dtype
 from strategy.ema import EMA, moving_average
-from strategy.engines import check_training_engine, unpackable
+from strategy.engines import (
+    check_training_engine,
+    is_asleep,
+    sleep_engine,
+    unpackable,
+    wake_engine,
+)
 from strategy.errors import CheckpointFileError, fail
 from strategy.export import save_model, save_model_metadata
 from strategy.internals import (
@@ -531,8 +537,36 @@ class DeepSpeedStrategy:
             ConfigError: ``model`` is no training engine, or ``optimizer`` is not its optimizer.
         """
         check_training_engine(model, optimizer)
+        wake_engine(model)
         zero3_average = self.config.zero_stage == 3 and self.sequence is not None
         model.backward(loss * self.sequence_parallel_size if zero3_average else loss)
+
+    def sleep(self, *engines: Any) -> None:
+        """With ``--ds_enable_sleep``: each training engine's Adam states, fp32 master weights
+        and gradients to CPU memory until its next ``backward`` (or checkpoint), which brings
+        them back; the 16-bit weights stay, for the rollout's forwards (OpenRLHF's
+        ``offload_deepspeed_states``). Nothing without the flag, or with ``--adam_offload``
+        (they live on CPU already). This rank alone: no collective.
+
+        Args:
+            *engines: training engines (from ``prepare``).
+        """
+        if not self.config.ds_enable_sleep or self.config.adam_offload:
+            return
+        for engine in engines:
+            check_training_engine(engine, None)
+            sleep_engine(engine)
+
+    def asleep(self, model) -> bool:
+        """Whether a training engine's states are off the device (``sleep``).
+
+        Args:
+            model: the training engine.
+
+        Returns:
+            True from ``sleep`` until its next ``backward`` (or checkpoint).
+        """
+        return is_asleep(model)
 
     def accumulation_boundary(self, model, last: bool) -> None:
         """Mark whether the next micro-batch ends the optimizer step (``last``), for steps of
@@ -712,6 +746,7 @@ class DeepSpeedStrategy:
             max_num, client_state = None, dict(max_num)
         if retention is not None and (max_num, max_mem) != (None, None):
             fail("retention", retention, "give retention or max_num/max_mem, not both")
+        wake_engine(model)
         return save_checkpoint(
             model, save_dir or self.checkpoint.ckpt_path, tag, client_state,
             retention=retention or Retention.from_config(self.checkpoint, max_num, max_mem),
@@ -749,6 +784,7 @@ class DeepSpeedStrategy:
             CheckpointFileError: a file is damaged, holds objects beyond tensors, or the EMA part is
                 missing (every rank raises it).
         """
+        wake_engine(model)
         loaded = load_checkpoint(
             model, load_dir or self.checkpoint.ckpt_path, tag, load_optimizer_states,
             load_lr_scheduler_states, dataloader, universal, layout=self.layout,

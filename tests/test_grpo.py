@@ -110,6 +110,7 @@ def train(root: str, name: str, **extra) -> dict:
         shared = {"policy": [], "reference": []}  # rows of each update forward on a KV cache
         rows = {"policy": [], "reference": []}  # rows of each forward without gradients
         grad_rows = []  # rows of each training forward of the policy
+        asleep = []  # each policy forward: (with gradients, its training states off the device)
 
         def count(name):
             def hook(module, args, kwargs):
@@ -118,6 +119,8 @@ def train(root: str, name: str, **extra) -> dict:
                 if not torch.is_grad_enabled() and kwargs.get(CACHE_KEYWORD) is None \
                         and not kwargs.get("use_cache"):  # not a generation step
                     rows[name].append(int(kwargs["input_ids"].shape[0]))
+                if name == "policy":
+                    asleep.append((torch.is_grad_enabled(), run.strategy.asleep(trainer.model)))
                 if torch.is_grad_enabled() and name == "policy":
                     grad_rows.append(int(kwargs["input_ids"].shape[0]))
                 if kwargs.get(CACHE_KEYWORD) is not None and (name == "reference" or
@@ -129,7 +132,7 @@ def train(root: str, name: str, **extra) -> dict:
         trainer.ref_model.module.register_forward_pre_hook(count("reference"), with_kwargs=True)
         final = trainer.fit()
     return {"history": trainer.history, "final": final, "attention": attention, "packed": packed,
-            "shared": shared, "rows": rows, "grad_rows": grad_rows}
+            "shared": shared, "rows": rows, "grad_rows": grad_rows, "asleep": asleep}
 
 
 @pytest.mark.slow
@@ -406,6 +409,44 @@ def test_micro_batches_by_a_token_budget_give_the_count_based_updates(ranks, toy
         for key in ("loss", "kl", "ratio", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), (stage, a["step"], key)
     assert want[1]["ratio"] != 1.0  # the second pass moved off the sampling policy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sleeping_training_states_during_rollouts_give_the_same_updates(ranks, toy, stage):
+    """``--ds_enable_sleep`` (OpenRLHF's --ds.enable_sleep), at ZeRO-2 and ZeRO-3: over two
+    rollouts of two optimizer steps each (``--rollout_batch_size 8 --train_batch_size 16``), the
+    policy's Adam states, master weights and gradients are off the device while each rollout is
+    made (every forward of the policy without gradients: generation, the old log-probs) and
+    back from its update's first backward on (DeepSpeed's own record of what it moved); the
+    updates and the exported model equal the run without sleep exactly."""
+    from safetensors.torch import load_file
+
+    base = {"zero_stage": stage, "max_steps": 4, "eval_steps": -1, "rollout_batch_size": 8,
+            "train_batch_size": 16, "ppo_epochs": 1,  # two steps a rollout: old log-probs taken
+            "shared_prompt_forward": False}  # one forward per micro-batch, then its backward
+    awake = ranks.run(train, str(toy), f"awake_{stage}", **base)
+    slept = ranks.run(train, str(toy), f"slept_{stage}", ds_enable_sleep=True, **base)
+    assert not any(state for out in awake for _, state in out["asleep"])
+    for out in slept:
+        seen = out["asleep"]
+        last = max(i for i, (grad, _) in enumerate(seen) if grad)  # the final evaluation after
+        states = [state for grad, state in seen[:last + 1] if not grad]
+        assert states and all(states), "a rollout forward ran with the states on the device"
+        firsts = [i for i, (grad, _) in enumerate(seen) if grad and not seen[i - 1][0]]
+        assert len(firsts) == 2  # each rollout's update: its first forward, then backward wakes
+        assert all(seen[i][1] for i in firsts)
+        assert not any(state for i, (grad, state) in enumerate(seen) if grad and i not in firsts)
+    want, got = awake[0]["history"], slept[0]["history"]
+    assert [r["step"] for r in want] == [r["step"] for r in got] == [1, 2, 3, 4]
+    for a, b in zip(want, got):
+        for key in ("loss", "kl", "ratio", "grad_norm", "reward"):
+            assert b[key] == a[key], (stage, a["step"], key)
+    exported = [load_file(toy / name / "model" / "model.safetensors")
+                for name in (f"awake_{stage}", f"slept_{stage}")]
+    assert exported[0].keys() == exported[1].keys()
+    for key, value in exported[0].items():
+        assert torch.equal(exported[1][key], value), key
 
 
 @pytest.mark.slow
@@ -783,6 +824,14 @@ CASES = [
     ({"reward_fn": f"{REWARD},tests.support.rewards:nope"},
      "reward_fn='tests.support.rewards:nope' is invalid: tests.support.rewards has no callable "
      "'nope'"),
+    ({"ds_enable_sleep": True, "zero_stage": 0}, "ds_enable_sleep=True is invalid: DeepSpeed "
+                                                 "moves a ZeRO optimizer's states"),
+    ({"ds_enable_sleep": True, "zero_stage": 3, "param_offload": True},
+     "ds_enable_sleep=True is invalid: DeepSpeed moves a ZeRO optimizer's states, with the "
+     "parameters on the device: set --zero_stage 1, 2 or 3 without --param_offload"),
+    ({"ds_enable_sleep": True, "zero_stage": 3, "optimizer": "cpu_adam"},
+     "ds_enable_sleep=True is invalid: DeepSpeed moves ZeRO-3's states with FusedAdam only, not "
+     "cpu_adam: use --optimizer fused_adam, or --adam_offload"),
 ]
 
 

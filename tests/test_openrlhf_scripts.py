@@ -38,22 +38,20 @@ REFUSED = {  # script -> the flags it is refused for here (each with its one lin
     "train_dpo_llama.sh": ["--ds.attn_implementation"],
     # the script's Mixtral replaced by a tiny Llama: no router, so no router loss
     "train_sft_mixtral_lora.sh": ["--ds.attn_implementation", "--model.aux_loss_coef"],
-    "train_ppo_ray_hybrid_engine.sh": ["--ds.enable_sleep", "--vllm.enable_sleep"],
+    "train_ppo_ray_hybrid_engine.sh": ["--vllm.enable_sleep"],
     "train_ppo_ray_slurm.sh": [],
     "train_ppo_with_reward_fn.sh": ["--ds.attn_implementation"],
-    "train_dapo_ray_hybrid_engine.sh": ["--ds.enable_sleep", "--vllm.enable_sleep"],
-    "train_prorlv2_math_hybrid_engine.sh": ["--ds.enable_sleep", "--vllm.enable_sleep"],
+    "train_dapo_ray_hybrid_engine.sh": ["--vllm.enable_sleep"],
+    "train_prorlv2_math_hybrid_engine.sh": ["--vllm.enable_sleep"],
     "train_reinforce_baseline_hybrid_engine.sh": [
-        "--ds.enable_sleep",
         "--ds.ring_attn_head_stride", "--ds.ring_attn_size"],
     "train_reinforce_baseline_ray_agent_async.sh": [
-        "--ds.enable_sleep", "--ds.ring_attn_head_stride", "--ds.ring_attn_size",
+        "--ds.ring_attn_head_stride", "--ds.ring_attn_size",
         # async with an environment (not here yet), and so partial rollouts, which continue it
         "--train.async_enable", "--train.partial_rollout_enable"],
     "train_vlm_math_hybrid_engine.sh": [
         "--data.image_key", "--data.max_images_per_prompt",
-        "--actor.freeze_visual_encoder", "--ds.enable_sleep",
-        "--vllm.enable_sleep"],
+        "--actor.freeze_visual_encoder", "--vllm.enable_sleep"],
 }
 OURS: dict[str, list[str]] = {}  # ours -> OpenRLHF's flags that become it
 for _name, _tokens in DOTTED.items():

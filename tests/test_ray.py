@@ -508,7 +508,9 @@ def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(clus
     critic group wrote its checkpoint beside the policy's (``<ckpt_path>_critic``, same tag),
     and a second job, its critic group of 2 ranks (one per actor rank), resumes from both: the
     critic it exports is the one it loaded (the world size changed: DeepSpeed's universal
-    form), not its start. ``token_budget``: both sides with ``--dynamic_batch`` (steps of more
+    form), not its start. ``counted``'s Ray side also sleeps the actor and critic groups'
+    training states through each rollout (``--ds.enable_sleep``), which changes nothing.
+    ``token_budget``: both sides with ``--dynamic_batch`` (steps of more
     micro-batches than DeepSpeed's accumulation count; the critic group steps after the last
     actor rank's last), the same equalities."""
     from safetensors.torch import load_file, save_file
@@ -523,6 +525,8 @@ def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(clus
         settings.update(dynamic_batch=True, max_tokens_per_gpu=70, rollout_max_tokens_per_gpu=100)
     args = ["--actor.num_gpus_per_node", "2", "--critic.num_gpus_per_node", "1",
             "--algo.advantage.estimator", "gae"]
+    if batching == "counted":  # the Ray side's states asleep through each rollout, both groups'
+        args.append("--ds.enable_sleep")
     ours, theirs = f"ray_ppo_{batching}", f"torchrun_ppo_{batching}"
     job, ref = side_by_side(
         lambda: _ray_job(cluster, [*args, *_flags(toy, ours, **settings)]),

@@ -88,6 +88,9 @@ DOTTED: dict[str, tuple[str, ...]] = {
     "ds.adam_offload": ("--adam_offload",),  # DeepSpeedCPUAdam on offloaded states, both
     "ds.grad_accum_dtype": ("--grad_accum_dtype", "{}"),
     "ds.overlap_comm": ("--overlap_comm",),
+    # the trained engines' Adam states, master weights and gradients in CPU memory between
+    # updates, both (OpenRLHF's offload_deepspeed_states; a no-op with adam_offload, both)
+    "ds.enable_sleep": ("--ds_enable_sleep",),
     # DeepSpeed AutoTP, both; here ZeRO 0-2 and not with GRPO/PPO
     "ds.tensor_parallel_size": ("--tensor_parallel_size", "{}"),
     # 1 only: above 1 refused here (no ring attention; --sequence_parallel_size N is Ulysses)
@@ -270,8 +273,6 @@ REFUSED: dict[str, str] = {
                                 "(DeepSpeed Ulysses)",
     "ds.value_head_prefix": "the head is AutoModelForSequenceClassification's (score in most "
                             "families); no flag",
-    "ds.enable_sleep": "DeepSpeed sleep mode (for vLLM colocation) is not here; --ref_offload "
-                       "keeps frozen engines off the accelerator",
     # ---- logging
     "logger.wandb.org": "wandb.init reads WANDB_ENTITY here; set it with --use_wandb",
     "logger.wandb.group": "wandb.init reads WANDB_RUN_GROUP here; set it with --use_wandb",

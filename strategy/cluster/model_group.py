@@ -230,6 +230,12 @@ class CriticRank(RayRank):
         self.run.strategy.optimizer_step(self.engine)
 
     @in_turn(lead_only=True)
+    def sleep(self, caller: int) -> None:
+        """The critic's training states off the device until its next backward
+        (the strategy's ``sleep``: nothing without ``--ds_enable_sleep``)."""
+        self.run.strategy.sleep(self.engine)
+
+    @in_turn(lead_only=True)
     def save_ckpt(self, caller: int, save_dir: str, tag: str, metric: float | None) -> None:
         """The critic's resume checkpoint (collective over the group; its rank 0 writes)."""
         self.run.strategy.save_ckpt(self.engine, save_dir=save_dir, tag=tag, metric=metric)

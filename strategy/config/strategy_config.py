@@ -29,6 +29,11 @@ class StrategyConfig:
                             "accelerator between uses: ZeRO-3 with parameters offloaded to CPU, "
                             "whatever the training stage", False,
                             trainers=("dpo", "kto", "grpo", "ppo"))
+    ds_enable_sleep: bool = doc("between policy updates, keep the trained engines' Adam states, "
+                                "fp32 master weights and gradients in CPU memory, back for each "
+                                "update's backward: the device's memory free for the rollout "
+                                "(OpenRLHF's --ds.enable_sleep; ZeRO 1-3; with --adam_offload "
+                                "they live on CPU already)", False, trainers=("grpo", "ppo"))
     micro_train_batch_size: int = doc("samples per rank per forward/backward", 8)
     train_batch_size: int = doc("global samples per optimizer step (micro x accumulation x "
                                 "data-parallel ranks)", 128)
@@ -119,6 +124,9 @@ class StrategyConfig:
         if self.offload_ratio < 1 and (self.zero_stage != 3 or not self.adam_offload):
             fail("offload_ratio", self.offload_ratio, "partial offload runs only with ZeRO-3 and "
                  "optimizer offload; set --zero_stage 3 --adam_offload, or offload_ratio 1.0")
+        if self.ds_enable_sleep and (self.zero_stage == 0 or self.param_offload):
+            fail("ds_enable_sleep", True, "DeepSpeed moves a ZeRO optimizer's states, with the "
+                 "parameters on the device: set --zero_stage 1, 2 or 3 without --param_offload")
         if self.param_offload and self.zero_stage != 3:
             fail("param_offload", True,
                  f"parameter offload needs ZeRO-3, got zero_stage={self.zero_stage}")

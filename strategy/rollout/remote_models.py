@@ -102,6 +102,10 @@ class RemoteCritic(RemoteGroup):
         self.leaf = None
         self.ask("backward", [(grad.cpu(), self.last)])
 
+    def sleep(self) -> None:
+        """The critic's training states off its device until its next backward."""
+        self.ask("sleep", [()])
+
     def save_ckpt(self, save_dir: str, tag: str, metric: float | None) -> None:
         self.ask("save_ckpt", [(save_dir, tag, metric)])
 

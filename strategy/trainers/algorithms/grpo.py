@@ -56,7 +56,9 @@ import torch
 from strategy.agents import load_agent
 from strategy.config import StrategyConfig
 from strategy.config.cluster import ClusterConfig
+from strategy.engines import check_sleep
 from strategy.errors import fail
+from strategy.optim import OptimConfig
 from strategy.rollout.config import RolloutConfig
 from strategy.rollout.vllm_checks import check_vllm_settings
 from strategy.tools import ToolAgent, load_tools, tool_schemas, tool_turn
@@ -214,6 +216,7 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
         check_grpo(configs[StrategyConfig], configs[TrainConfig], grpo,
                    configs[DataConfig].max_len, world_size)
         check_rollout(configs[RolloutConfig], grpo, world_size, configs[ClusterConfig].ray)
+        check_sleep(configs[StrategyConfig], configs[OptimConfig].optimizer)
         for spec in grpo.reward_names():
             if spec not in ("model", "remote"):
                 load_reward_fn(spec)  # importable and callable, or one line now
@@ -399,6 +402,7 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
         """
         steps = self._span // self.grpo.ppo_epochs  # optimizer steps per pass over a rollout
         for _ in range(count // self._span):
+            self.sleep_trained()
             if self.rollout_config.async_rollouts:
                 batches, rollout_metrics = self.rollout_ahead()
             else:
@@ -411,6 +415,11 @@ class GRPOTrainer(EngineRollouts, ExperienceMaker, PolicyUpdate, Trainer):
             for _ in range(self.grpo.ppo_epochs):
                 for step_batches in by_step(batches, steps):
                     yield Step(step_batches, rollout_metrics)
+
+    def sleep_trained(self) -> None:
+        """The trained engines' training states off the device while a rollout is made
+        (``--ds_enable_sleep``: the strategy's ``sleep``; each wakes at its next backward)."""
+        self.strategy.sleep(*self.trained_engines().values())
 
     # ------------------------------------------------------------ evaluation
     def eval_metrics(self, batch: dict) -> dict:

@@ -228,6 +228,11 @@ class PPOTrainer(GRPOTrainer):
             return super().trained_engines()
         return {**super().trained_engines(), CRITIC: self.critic}
 
+    def sleep_trained(self) -> None:
+        super().sleep_trained()
+        if self.remote_critic:  # its group's ranks sleep it (with --ds_enable_sleep there)
+            self.critic.sleep()
+
     def accumulation_boundary(self, last: bool) -> None:
         """As ``Trainer.accumulation_boundary``; a critic in a Ray group of its own is told with
         the micro-batch's gradient (its group steps after the step's last).
