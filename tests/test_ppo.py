@@ -179,7 +179,9 @@ def test_ppo_zero3_trains_both_engines_matches_openrlhf_and_resumes_exactly(rank
         assert (path / "global_step2").is_dir()
         shutil.rmtree(path / "global_step4")
         (path / "latest").write_text("global_step2")
-    resumed = ranks.run(ppo_run, str(toy), "full", load_checkpoint=True)[0]
+    # resumed with both engines' training states asleep through each rollout (--ds_enable_sleep):
+    # the same steps bit for bit
+    resumed = ranks.run(ppo_run, str(toy), "full", load_checkpoint=True, ds_enable_sleep=True)[0]
     keys = ("loss", "critic_loss", "reward", "kl", "ratio", "values", "grad_norm")
     assert [{k: r[k] for k in keys} for r in resumed["history"]] == \
         [{k: r[k] for k in keys} for r in history[2:]]  # bit-identical
