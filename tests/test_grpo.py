@@ -859,7 +859,7 @@ def test_save_and_eval_rollouts_are_the_steps_their_rollouts_span():
     completions in steps of train_batch_size); -1 stays -1; with the step count given too, one
     line."""
     from strategy.errors import ConfigError
-    from strategy.trainers.algorithms.grpo import rollout_counted
+    from strategy.trainers.algorithms.grpo_checks import rollout_counted
     from strategy.trainers.config import GRPOConfig, TrainConfig
 
     grpo = GRPOConfig(reward_fn="m:f", rollout_batch_size=6, group_size=4, ppo_epochs=2,
