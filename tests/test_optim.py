@@ -530,3 +530,46 @@ def test_offload_ratio_really_splits_optimizer_states(ranks):
     # the accelerator's sub-groups step with torch AdamW, the others with CPU Adam: float rounding
     # only
     assert part["losses"] == pytest.approx(full["losses"], rel=1e-4)
+
+
+def sleep_run(stage: int, sleep: bool, steps: int = 3) -> dict:
+    """ZeRO ``stage`` at one rank: ``steps`` steps, each after ``strategy.sleep`` (as before a
+    rollout; a no-op without ``ds_enable_sleep``); the accelerator memory it freed each time."""
+    from deepspeed.accelerator import get_accelerator
+
+    from tests.support.helpers import make_strategy
+    from tests.support.models import tiny_llama, token_batches
+
+    s = make_strategy(stage, micro=2, total=2, ds_enable_sleep=sleep)
+    model = s.from_pretrained(tiny_llama())
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    optimizer = s.create_optimizer(model)
+    engine = s.prepare((model, optimizer, s.create_scheduler(optimizer, num_training_steps=steps)))
+    x, accel = token_batches(1, 2)[0].to(engine.device), get_accelerator()
+    out = {"losses": [], "freed": [], "asleep": [], "params": params}
+    for _ in range(steps):
+        before = accel.memory_allocated()
+        s.sleep(engine)
+        out["freed"].append(before - accel.memory_allocated())
+        out["asleep"].append(s.asleep(engine))
+        loss = engine(input_ids=x, labels=x).loss
+        s.backward(loss, engine)
+        s.optimizer_step(engine)
+        out["losses"].append(loss.item())
+    s.close()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sleep_frees_the_training_states_device_memory(ranks, stage):
+    """``--ds_enable_sleep``'s ``strategy.sleep`` on a GPU: once Adam's states exist (after the
+    first step), each sleep frees at least their two fp32 moments' bytes of device memory, the
+    next backward brings them back, and the losses are those of the run that never sleeps."""
+    slept = ranks.run(sleep_run, stage, True, world_size=1)[0]
+    awake = ranks.run(sleep_run, stage, False, world_size=1)[0]
+    assert slept["losses"] == awake["losses"]
+    assert all(slept["asleep"]) and not any(awake["asleep"])
+    assert min(slept["freed"][1:]) >= 8 * slept["params"], slept  # exp_avg + exp_avg_sq, fp32
+    assert max(awake["freed"]) <= 0, awake
