@@ -3,7 +3,7 @@ reference and reward model groups and the vLLM engines are Ray actors in placeme
 (``--actor_num_nodes``, ``--actor_num_gpus_per_node``, ``--ref_num_nodes``,
 ``--reward_num_nodes``, ``--vllm_num_engines``, ``--vllm_tensor_parallel_size``,
 ``--colocate_all``), driven by one process (``driver.run_on_ray``); the engines' layer is
-``strategy.rollout.vllm_ray``.
+``strategy.rollout.vllm_ray`` (the actor) and ``strategy.rollout.ray_rollout`` (the ranks' side).
 
 - ``config``: ``ClusterConfig``, the placement flags.
 - ``placement``: the bundles asked for, checked against the cluster before anything is

@@ -14,6 +14,9 @@
 - ``VllmRollout`` (``--rollout_engine vllm``, ``rollout.vllm_engine``): a vLLM engine on each
   rank, colocated with training, its weights refreshed after each policy change by streaming the
   same groups into vLLM's weight loader (every rank still entering each gather).
+- ``RayVllmRollout`` (``--vllm_num_engines N``, a Ray job's ``rollout.ray_rollout``): engines
+  apart from training, Ray actors of their own (``rollout.vllm_ray``), each serving consecutive
+  ranks; the same weights streamed to them from rank 0.
 
 The first two share a group's prompt (``generate(group=g)``: a GRPO rollout repeats each prompt
 ``g`` times): ``prefill_groups`` runs each prompt once and hands the decoder its KV cache repeated
@@ -54,8 +57,8 @@ def vllm_rollout(engine, config, max_model_len: int, seed: int) -> RolloutEngine
         max_model_len: the longest prompt + completion.
         seed: this rank's engine's seed (an engine's ranks alike).
     """
-    from strategy.rollout.vllm_engine import VllmRollout  # vLLM's layer: only once asked for
-    from strategy.rollout.vllm_ray import RayVllmRollout  # as above
+    from strategy.rollout.ray_rollout import RayVllmRollout  # vLLM's layer: only once asked for
+    from strategy.rollout.vllm_engine import VllmRollout  # as above
 
     kind = RayVllmRollout if config.vllm_num_engines else VllmRollout
     return kind(engine, config, max_model_len, seed)
