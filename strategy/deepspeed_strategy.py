@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import socket
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 import deepspeed
 import torch
@@ -101,6 +102,7 @@ class DeepSpeedStrategy:
         self.grad_norms = GradNorms(self.config.tensor_parallel_size > 1)  # ZeRO-0's, measured
         self.storage = CheckpointStorage(self.checkpoint)  # each checkpoint directory's kind
         self.sequence: SequenceParallel | None = None  # Ulysses groups (sequence_parallel_size > 1)
+        self._apart: Any = None  # ``apart``'s process group, made once
 
     def __enter__(self) -> DeepSpeedStrategy:
         return self
@@ -251,6 +253,20 @@ class DeepSpeedStrategy:
             RankFailedError: ``fn`` failed on some rank (one line naming it), on every rank.
         """
         return dist.checked(fn, *args)
+
+    def apart(self) -> Callable[[], ContextManager[None]]:
+        """For a thread working beside the main one (episodes played ahead): a context under
+        which that thread's collectives (``checked``, ``all_reduce``, ``all_gather_object``)
+        go over a process group of their own, so they never mix with the main thread's, which
+        may run at the same time. Collective the first time (it makes the group), so every rank
+        asks for it at the same point, on its main thread.
+
+        Returns:
+            What the thread enters: ``with context():``.
+        """
+        if self._apart is None and dist.is_initialized():
+            self._apart = torch.distributed.new_group(list(range(self.world_size)))
+        return functools.partial(dist.collectives_on, self._apart)
 
     def on_rank_0(self, fn: Callable, *args: Any) -> Any:
         """Collective: ``fn(*args)`` runs on rank 0 only (file writes).

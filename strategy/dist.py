@@ -16,8 +16,9 @@ import random
 import socket
 import sys
 import threading
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import deepspeed
 import numpy as np
@@ -301,12 +302,34 @@ def _failed_peer(rank: int, world: int) -> tuple[int, str] | None:
 # ------------------------------------------------------------ every rank agrees
 
 
+_THREAD = threading.local()  # .group: this thread's world-wide group (``collectives_on``)
+
+
+@contextmanager
+def collectives_on(group: Any) -> Iterator[None]:
+    """This thread's collectives of this module's (``checked``, ``all_reduce``,
+    ``all_gather_object``, ``broadcast_object``...) over ``group``, a process group of every
+    rank, instead of the default one: a thread working beside the main one (episodes played
+    ahead) keeps its collectives apart from the main thread's, which may run at the same time."""
+    before = getattr(_THREAD, "group", None)
+    _THREAD.group = group
+    try:
+        yield
+    finally:
+        _THREAD.group = before
+
+
+def _group(group: Any = None) -> Any:
+    """``group``, else this thread's (``collectives_on``), else None: the default group."""
+    return group if group is not None else getattr(_THREAD, "group", None)
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s picklable ``obj`` on every rank (small objects: messages, decisions)."""
     if not is_initialized():
         return obj
     box = [obj]
-    torch_dist.broadcast_object_list(box, src=src)
+    torch_dist.broadcast_object_list(box, src=src, group=_group())
     return box[0]
 
 
@@ -315,7 +338,7 @@ def all_gather_object(obj: Any) -> list:
     if not is_initialized():
         return [obj]
     out = [None] * get_world_size()
-    torch_dist.all_gather_object(out, obj)
+    torch_dist.all_gather_object(out, obj, group=_group())
     return out
 
 
@@ -413,6 +436,7 @@ def all_reduce(data: Any, op: str = "mean", group: Any = None) -> Any:
     ``group``'s): mean, sum, max or min."""
     if op not in _OPS:
         raise ValueError(f"op={op!r} is invalid: use one of {sorted(_OPS)}")
+    group = _group(group)
     if isinstance(data, dict):
         return _all_reduce_dict(data, op, group)
     tensor = _to_tensor(data)
@@ -464,7 +488,7 @@ def all_gather(data: Any) -> Any:
     parts = [tensor]
     if is_initialized():
         parts = [torch.empty_like(tensor) for _ in range(get_world_size())]
-        torch_dist.all_gather(parts, tensor)
+        torch_dist.all_gather(parts, tensor, group=_group())
     if isinstance(data, torch.Tensor):
         return torch.cat(parts).to(data.device)
     return [part.item() for part in parts]

@@ -673,8 +673,9 @@ def test_grpo_with_tools_renders_their_schemas_and_logs_the_calls(ranks, tools_r
      "file is the environment itself; drop --tools or --agent_func_path"),
     ({"overlong_buffer_len": 4}, "overlong_buffer_len=4.0 is invalid: it shapes one "
      "completion's length"),
-    ({"rollout_engine": "vllm", "async_rollouts": 1}, "async_rollouts=1 is invalid: an "
-     "episode's next turn waits for the environment's answer to the last"),
+    ({"rollout_engine": "vllm", "async_rollouts": 1, "partial_rollouts": True},
+     "partial_rollouts=True is invalid: episodes played ahead take the weights of the step "
+     "before, whole"),
     ({"tools": None, "agent_func_path": THREE, "reward_fn": "strategy.demos.toy_tools:"
       "exact_reward"}, "reward_fn='strategy.demos.toy_tools:exact_reward' is invalid: the "
      "environment's step returns the rewards with --agent_func_path"),

@@ -174,3 +174,44 @@ def test_every_launched_script_runs_through_run_script():
     plain = [p.name for p in scripts if p.name != "train_ppo_ray.py"
              and not p.read_text().endswith('if __name__ == "__main__":\n    run_script(main)\n')]
     assert len(scripts) == 11 and not plain, plain
+
+
+def played_apart(fail_rank: int | None) -> dict:
+    """A thread playing ahead (``Played``) whose collectives go over ``strategy.apart``'s group
+    while the main thread runs its own on the default one; ``fail_rank`` raises inside a
+    ``checked`` on the thread."""
+    from strategy.trainers.algorithms.ahead import Played
+
+    s = make_strategy(stage=0)
+    apart = s.apart()
+
+    def broke() -> None:
+        if s.rank == fail_rank:
+            raise ValueError("the environment broke")
+
+    def play() -> float:
+        with apart():
+            total = sum(s.all_reduce(float(s.rank + i), op="sum") for i in range(50))
+            s.checked(broke)
+            return total + len(s.all_gather_object(s.rank))
+
+    played = Played(play, 60)
+    main = sum(s.all_reduce(float(i * (s.rank + 1)), op="max") for i in range(50))
+    try:
+        out, error = played.wait(), None
+    except Exception as exc:  # noqa: BLE001 - what every rank raises is the result
+        out, error = None, f"{type(exc).__name__}: {exc}"
+    s.close()
+    return {"out": out, "main": main, "error": error}
+
+
+def test_a_thread_apart_keeps_its_collectives_from_the_main_threads_and_one_error_line(ranks):
+    """``strategy.apart``: a thread's 50 all-reduces (sums) and a gather run over a group of
+    their own while the main thread runs 50 of its own (maxima) at the same time; each side gets
+    its own results. An error on rank 1 inside a ``checked`` on the thread reaches ``Played.wait``
+    on every rank as the one line the thread's collective made (not wrapped again)."""
+    for out in ranks.run(played_apart, None):
+        assert out == {"out": sum(2 * i + 1 for i in range(50)) + 2,
+                       "main": sum(2 * i for i in range(50)), "error": None}
+    for out in ranks.run(played_apart, 1):
+        assert out["error"] == "RankFailedError: rank 1: ValueError: the environment broke", out

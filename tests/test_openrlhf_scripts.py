@@ -47,7 +47,8 @@ REFUSED = {  # script -> the flags it is refused for here (each with its one lin
         "--ds.ring_attn_head_stride", "--ds.ring_attn_size"],
     "train_reinforce_baseline_ray_agent_async.sh": [
         "--ds.ring_attn_head_stride", "--ds.ring_attn_size",
-        # async with an environment (not here yet), and so partial rollouts, which continue it
+        # async with dynamic sampling (its next round needs this one's rewards; async with the
+        # environment alone plays its episodes ahead), and so partial rollouts
         "--train.async_enable", "--train.partial_rollout_enable"],
     "train_vlm_math_hybrid_engine.sh": [
         "--data.image_key", "--data.max_images_per_prompt",

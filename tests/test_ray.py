@@ -386,7 +386,7 @@ def _act_once_trained(root, name: str, steps: int, act):
 
 @needs_ray
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["two_nodes", "colocated_async"])
+@pytest.mark.parametrize("case", ["two_nodes", "colocated_async", "colocated_async_agent"])
 def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
     """GRPO at ZeRO-3 with a KL to a reference, OpenRLHF's flags, gives
     per-step losses, rewards, KL and the export of the torchrun path (an engine colocated in
@@ -399,23 +399,29 @@ def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
     ``colocated_async``: the engine and the reference in the actor's ranks' bundles
     (``--train.colocate_all``), each rollout
     generated in the engine's actor while the step before trains (``--train.async_enable``),
-    against torchrun's ``--async_rollouts 1``."""
+    against torchrun's ``--async_rollouts 1``. ``colocated_async_agent``: the same with an
+    environment (three-turn episodes), each rollout's episodes played ahead on a thread of each
+    rank's own, their turns asked of the engine actor while the step before trains."""
     from safetensors.torch import load_file
 
     from tests.support.helpers import run_job, side_by_side, torchrun_command
 
     placement = {"two_nodes": ["--ref.num_nodes", "1", "--ref.num_gpus_per_node", "1"],
-                 "colocated_async": ["--train.colocate_all", "--train.async_enable"]}[case]
-    extra = {"async_rollouts": 1} if case == "colocated_async" else {}
+                 "colocated_async": ["--train.colocate_all", "--train.async_enable"],
+                 "colocated_async_agent": ["--train.colocate_all", "--train.async_enable"]}[case]
+    extra = {"async_rollouts": 1} if "async" in case else {}
+    both = {"reward_fn": None, "max_len": 48,  # the environment's rewards
+            "agent_func_path": "tests/data/agents/three_turns.py"} if "agent" in case else {}
     name, ref_name = f"ray_{case}", f"torchrun_{case}"
     job, ref = side_by_side(  # the torchrun path beside: a Ray job leaves a core idle at times
         lambda: _ray_job(cluster, ["--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2",
                                    "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
                                    "--algo.advantage.estimator", "group_norm", *placement,
-                                   *_flags(toy, name, vllm_num_engines=None)],
+                                   *_flags(toy, name, vllm_num_engines=None, **both)],
                          submit=case == "two_nodes"),
         lambda: run_job(torchrun_command("-m", "strategy.cli.train_grpo",
-                                         *_flags(toy, ref_name, **extra, vllm_num_engines=0)),
+                                         *_flags(toy, ref_name, **extra, **both,
+                                                 vllm_num_engines=0)),
                         timeout=400))
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
     where = json.loads((toy / name / "logs" / "placement.json").read_text())
@@ -437,8 +443,10 @@ def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
 
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
     ray_rows, ref_rows = _history(toy, name), _history(toy, ref_name)
-    if case == "colocated_async":
+    if "async" in case:
         assert [r["train/staleness"] for r in ray_rows] == [0.0, 1.0, 1.0]
+    if "agent" in case:
+        assert all(r["train/turns"] > 1.0 for r in ray_rows), ray_rows  # feedback between
     assert [r["step"] for r in ray_rows] == [r["step"] for r in ref_rows] == [1, 2, 3]
     for ours, theirs in zip(ray_rows, ref_rows):
         for key in ("train/loss", "train/reward", "train/kl", "train/grad_norm",

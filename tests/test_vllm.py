@@ -240,6 +240,38 @@ def test_async_rollouts_train_one_update_behind_and_resume_exactly(toy):
     assert resumed["final"] == full["final"]
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_episodes_played_ahead_train_one_update_behind_and_resume_exactly(toy):
+    """``--async_rollouts 1`` with an environment (three-turn episodes): each rollout after the
+    first was played, whole, on a thread of its own while the step before trained (its turns'
+    lockstep and errors over a process group of their own, beside the step's collectives), so
+    the engine's log-probs are one update behind the trainer's; the episodes are multi-turn
+    (feedback between the model's turns); a checkpoint taken with the next rollout's episodes
+    in flight resumes bit-identically (the played episodes are saved with it). One engine spans
+    both ranks: each turn's requests are gathered on the playing thread."""
+    import shutil
+
+    keys = ("loss", "reward", "staleness", "engine_logprob_diff", "grad_norm", "turns",
+            "completion_length")
+    name = "async_agent_tp2"
+    flags = dict(async_rollouts=1, save_steps=2, vllm_tensor_parallel_size=2, max_len=48,
+                 reward_fn=None, agent_func_path="tests/data/agents/three_turns.py")
+    full = _run(toy, name, **flags)
+    history = full["history"]
+    assert [row["staleness"] for row in history] == [0.0, 1.0, 1.0, 1.0]
+    assert all(row["turns"] > 1.0 for row in history), history  # the environment answered
+    assert history[0]["engine_logprob_diff"] < 1e-4  # on-policy: the weights it sampled with
+    assert all(row["engine_logprob_diff"] > 1e-3 for row in history[1:])  # one update behind
+    ckpt = toy / name / "ckpt"
+    shutil.rmtree(ckpt / "global_step4")
+    (ckpt / "latest").write_text("global_step2")
+    resumed = _run(toy, name, **flags, load_checkpoint=True)
+    assert [{k: r[k] for k in keys} for r in resumed["history"]] == [
+        {k: r[k] for k in keys} for r in history[2:]]
+    assert resumed["final"] == full["final"]
+
+
 IS_INTERVAL = (0.995, 1.005)  # narrow: one update behind, some tokens' weights fall outside
 
 

@@ -218,8 +218,9 @@ class RayVllmRollout(VllmRollout):
         return with_completions(input_ids, tokens[rows], generation_config.pad_token_id)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 generation_config: GenerationConfig, group: int = 1) -> torch.Tensor:
-        seeds = draw_seeds(input_ids.shape[0])
+                 generation_config: GenerationConfig, group: int = 1,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        seeds = draw_seeds(input_ids.shape[0], generator)
         requests = self._peers.share(prompt_rows(input_ids, attention_mask), seeds)
         answer = self._answer(self._ask(requests, generation_config))
         return self._rows(answer, requests, input_ids, generation_config)

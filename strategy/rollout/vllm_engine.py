@@ -88,12 +88,13 @@ def kept_process_state() -> Iterator[None]:
 
 
 @contextmanager
-def deadline(seconds: float, what: str) -> Iterator[None]:
+def deadline(seconds: float, what: str, bound: str = "--vllm_timeout",
+             fix: str = "raise --vllm_timeout for longer rollouts") -> Iterator[None]:
     """End this process with one line when the block has not finished within ``seconds`` (an
-    engine call cannot be interrupted in place)."""
+    engine call cannot be interrupted in place); ``bound``: the settings that make it."""
     def expire() -> None:
-        print(f"[strategy] {what} did not return within --vllm_timeout={seconds:g} s; stopping "
-              "this rank (raise --vllm_timeout for longer rollouts)", file=sys.stderr, flush=True)
+        print(f"[strategy] {what} did not return within {bound}={seconds:g} s; stopping "
+              f"this rank ({fix})", file=sys.stderr, flush=True)
         os._exit(1)
 
     timer = threading.Timer(seconds, expire)
@@ -361,10 +362,12 @@ class VllmRollout:
         self._call("sync", run)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 generation_config: GenerationConfig, group: int = 1) -> torch.Tensor:
+                 generation_config: GenerationConfig, group: int = 1,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
         """What ``transformers``' ``generate`` returns for the left-padded prompts: prompt and
-        completion, padded after the end. Seeds per row come from the global generator."""
-        seeds = draw_seeds(input_ids.shape[0])
+        completion, padded after the end. Seeds per row come from ``generator`` (None: the
+        global one; a thread of its own passes its own)."""
+        seeds = draw_seeds(input_ids.shape[0], generator)
         return self._call("generate", lambda: self._generate(
             self._peers.share(prompt_rows(input_ids, attention_mask), seeds), input_ids,
             generation_config))

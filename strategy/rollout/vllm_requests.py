@@ -140,6 +140,6 @@ class EnginePeers:
         return box[0]
 
 
-def draw_seeds(rows: int) -> list[int]:
-    """One vLLM seed per row from the global generator (the caller's seeded one)."""
-    return torch.randint(0, 2**31 - 1, (rows,)).tolist()
+def draw_seeds(rows: int, generator: torch.Generator | None = None) -> list[int]:
+    """One vLLM seed per row from ``generator`` (None: the global one, the caller's seeded)."""
+    return torch.randint(0, 2**31 - 1, (rows,), generator=generator).tolist()

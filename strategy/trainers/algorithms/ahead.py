@@ -1,17 +1,72 @@
 """What GRPO (and PPO) do with a rollout engine of their own (vLLM), beside the ``hf`` loop:
 ``--async_rollouts 1`` (the next rollout generated on a thread while this one trains, saved in
 flight with each checkpoint). A mixin of ``GRPOTrainer``: it reads the trainer's prompts, settings,
-engine and experience stage."""
+engine and experience stage.
+
+With an environment (``--agent_func_path``, ``--tools``) the next rollout's episodes are played
+ahead, whole, on a thread of their own (``Played``): each turn's generation and environment step
+there, its collectives (the turns' lockstep, an environment's error on every rank) over a process
+group of their own (``strategy.apart``), its seeds from a generator drawn when it starts, so a
+rerun plays the same episodes. The rewards of tools' answers are scored after, on the main
+thread."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
+import torch
 from transformers import GenerationConfig
 
-from strategy.rollout.vllm_engine import Done
+from strategy.dist import checked
+from strategy.errors import RankFailedError
+from strategy.rollout.vllm_engine import Done, deadline
 from strategy.trainers.algorithms.completions import sampling_rng
+from strategy.trainers.algorithms.episodes import Episode
+from strategy.trainers.algorithms.experience import repeated
+
+
+class Played:
+    """Episodes played on a thread of their own (``Ahead``'s interface): ``join`` waits for
+    them within ``seconds`` (None: no bound), ``wait`` (collective) gives them, or raises an
+    error of any rank's on every rank."""
+
+    def __init__(self, fn: Callable[[], list[Episode]], seconds: float | None) -> None:
+        self.seconds, self._out = seconds, []
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], list[Episode]]) -> None:
+        try:
+            self._out.append(("ok", fn()))
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by wait()
+            self._out.append(("error", exc))
+
+    def join(self) -> None:
+        """Until the episodes are played (this rank alone)."""
+        if self.seconds is None:
+            return self._thread.join()
+        with deadline(self.seconds, "the episodes played ahead",
+                      "--max_turns x (--vllm_timeout + --agent_timeout)",
+                      "raise --vllm_timeout or --agent_timeout"):
+            self._thread.join()
+
+    def wait(self) -> list[Episode]:
+        """The episodes (collective)."""
+        self.join()
+
+        kind, value = self._out[0]
+        if kind == "error" and isinstance(value, RankFailedError):
+            raise value  # raised on every rank alike already, by a collective on the thread
+
+        def result() -> list[Episode]:
+            if kind == "error":
+                raise value
+            return value
+
+        return checked(result)
 
 
 class EngineRollouts:
@@ -33,10 +88,15 @@ class EngineRollouts:
             self._ahead = self._launch(self.next_prompts())
         batch, generation, version = self._ahead
         self._sync_in_flight()
-        out, engine = generation.wait()
-        late = self._late_share(generation)
+        if self.episodes is not None:
+            late, played = {}, generation.wait()
+            sampled = self.played(batch, self.grpo.group_size, [
+                Episode(**e) if isinstance(e, dict) else e for e in played])  # a saved one
+        else:
+            out, engine = generation.wait()
+            late = self._late_share(generation)
+            sampled = self._scored(batch, out[:, batch["prompt_ids"].shape[1]:], engine)
         self._ahead = None
-        sampled = self._scored(batch, out[:, batch["prompt_ids"].shape[1]:], engine)
         self._components = sampled.components
         batches, metrics = self.experience(sampled)
         rollout = self.global_step // self.grpo.ppo_epochs
@@ -69,9 +129,27 @@ class EngineRollouts:
         rollout = self.global_step // self.grpo.ppo_epochs  # updates so far: the version
         step = (self._rounds_drawn - 1) * self.grpo.ppo_epochs  # where ``batch`` will train
         with sampling_rng(self.strategy.config.seed, step, self.strategy.rank):
+            if self.episodes is not None:
+                return batch, self._play_ahead(batch), rollout
             ahead = self.rollouts.start_generate(ids, mask, GenerationConfig(
                 **self._settings(True)))
         return batch, ahead, rollout
+
+    def _play_ahead(self, batch: dict) -> Played:
+        """``batch``'s episodes played on a thread of their own, from the engine as synced
+        now, seeded from a generator drawn now (from the step's sampling generator)."""
+        apart = self.strategy.apart()  # collective the first time: here, on every rank alike
+        generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
+        prompt_ids, prompts, rows = repeated(batch, self.grpo.group_size)
+        turn = self.model_turns(True, generator)
+
+        def run() -> list[Episode]:
+            with apart():
+                return self.episodes.run(prompts, prompt_ids, rows, self.answer_key, turn,
+                                         generator)
+
+        ep, timeout = self.episodes, self.rollout_config.vllm_timeout
+        return Played(run, None if not ep.timeout else ep.max_turns * (timeout + ep.timeout))
 
     def ahead_state(self) -> list:
         """Every rank's rollout in flight (waited for; collective), for the checkpoint: by rank,
@@ -80,7 +158,10 @@ class EngineRollouts:
         if self._ahead is not None:
             batch, generation, version = self._ahead
             self._sync_in_flight()  # as the next rollout_ahead would, before the rest
-            ahead = (batch, generation.wait(), version)
+            done = generation.wait()
+            if self.episodes is not None:  # plain values: the checkpoint loads weights_only
+                done = [dataclasses.asdict(e) if isinstance(e, Episode) else e for e in done]
+            ahead = (batch, done, version)
             self._ahead = (batch, Done(ahead[1]), version)
         return self.strategy.all_gather_object(ahead)  # rank 0 saves it
 

@@ -155,7 +155,8 @@ class EpisodeRunner:
         return out
 
     def run(self, prompts: list[str], prompt_ids: list[list[int]], rows: list[dict],
-            label_key: str | None, generate: Generate) -> list[Episode]:
+            label_key: str | None, generate: Generate,
+            generator: torch.Generator | None = None) -> list[Episode]:
         """Every episode of this rank's share of a rollout, played to its end (collective).
 
         Args:
@@ -164,13 +165,15 @@ class EpisodeRunner:
             rows: its dataset row.
             label_key: the row key ``label`` reads (None: no label).
             generate: the engine's batched generation (rows of context, max new tokens).
+            generator: where the environment's seed is drawn from (None: the global generator;
+                episodes played on a thread of their own pass their own).
 
         Returns:
             The episodes, in order.
         """
         episodes = [Episode(list(ids), text, row.get(label_key) if label_key else None, row)
                     for text, ids, row in zip(prompts, prompt_ids, rows)]
-        with python_rng(int(torch.randint(0, 2**62, (1,)))):
+        with python_rng(int(torch.randint(0, 2**62, (1,), generator=generator))):
             agents = self._reset(episodes)
             for turn in range(self.max_turns):
                 live = [i for i, e in enumerate(episodes)

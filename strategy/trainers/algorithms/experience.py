@@ -7,8 +7,10 @@ log-probs and advantages. A mixin of ``GRPOTrainer``: it reads the trainer's ``g
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
+from transformers import GenerationConfig
 
 from strategy.trainers.algorithms.completions import (
     completion_batch,
@@ -18,7 +20,7 @@ from strategy.trainers.algorithms.completions import (
     token_layout,
     until_eos,
 )
-from strategy.trainers.algorithms.episodes import turn_values
+from strategy.trainers.algorithms.episodes import Episode, turn_values
 from strategy.trainers.algorithms.groups import Sampled, deal, informative
 from strategy.trainers.algorithms.token_budget import agreed_bounds
 from strategy.trainers.losses import (
@@ -143,14 +145,29 @@ class ExperienceMaker:
             feedback; ``episodes`` says which tokens the model made.
         """
         prompt_ids, prompts, rows = repeated(batch, group)
+        episodes = self.episodes.run(prompts, prompt_ids, rows, self.answer_key,
+                                     self.model_turns(sample))
+        return self.played(batch, group, episodes)
 
+    def model_turns(self, sample: bool, generator: torch.Generator | None = None) -> Callable:
+        """The episodes' model turns: a batch of contexts in, each one's new tokens (and their
+        engine log-probs) out. With a ``generator`` (episodes played ahead, on a thread of their
+        own): the engine as it is, without a sync, seeded from it."""
         def turn(contexts: list[list[int]], max_new: int):
             ids, mask = left_padded(contexts, self.tokenizer.pad_token_id)
-            out = self.generate(ids.to(self.model.device), mask.to(self.model.device), sample,
-                                max_new_tokens=max_new)
+            ids, mask = ids.to(self.model.device), mask.to(self.model.device)
+            if generator is None:
+                out = self.generate(ids, mask, sample, max_new_tokens=max_new)
+            else:
+                out = self.rollouts.generate(ids, mask, GenerationConfig(
+                    **self._settings(sample, max_new)), generator=generator)[:, ids.shape[1]:]
             return self._completions(out.cpu()), getattr(self.rollouts, "logprobs", None)
+        return turn
 
-        episodes = self.episodes.run(prompts, prompt_ids, rows, self.answer_key, turn)
+    def played(self, batch: dict, group: int, episodes: list[Episode]) -> Sampled:
+        """``play``'s ``Sampled`` of ``batch``'s played ``episodes`` (``group`` per prompt),
+        scored (every rank calls this alike)."""
+        prompt_ids, prompts, rows = repeated(batch, group)
         if self.grpo.tools:  # the reward scores the answer: the last turn, without a call
             answers = [e.last_turn() for e in episodes]
             scores = self._score(prompts, answers, self._texts(answers), rows)

@@ -110,10 +110,10 @@ def check_rollout(rollout: RolloutConfig, grpo: GRPOConfig, world_size: int,
     if rollout.async_rollouts and grpo.dynamic_filtering:
         fail("async_rollouts", rollout.async_rollouts, "dynamic sampling decides the next "
              "round from this one's rewards; drop one of them")
-    if rollout.async_rollouts and grpo.episodic:
-        fail("async_rollouts", rollout.async_rollouts, "an episode's next turn waits for the "
-             "environment's answer to the last; drop --async_rollouts (or the environment: "
-             "--agent_func_path, --tools)")
+    if rollout.partial_rollouts and grpo.episodic:
+        fail("partial_rollouts", True, "episodes played ahead take the weights of the step "
+             "before, whole, not between two engine steps of a turn; drop --partial_rollouts "
+             "(--async_rollouts 1 plays them ahead)")
     for name in ("temperature", "eval_temperature"):
         if rollout.vllm and getattr(grpo, name) > 2:
             fail(name, getattr(grpo, name), "vLLM samples at temperatures in [0, 2]; use one "
