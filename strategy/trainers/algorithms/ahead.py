@@ -13,7 +13,6 @@ thread."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from typing import Any, Callable
 
@@ -22,27 +21,20 @@ from transformers import GenerationConfig
 
 from strategy.dist import checked
 from strategy.errors import RankFailedError
-from strategy.rollout.vllm_engine import Done, deadline
+from strategy.rollout.vllm_engine import Ahead, Done, deadline
 from strategy.trainers.algorithms.completions import sampling_rng
 from strategy.trainers.algorithms.episodes import Episode
 from strategy.trainers.algorithms.experience import repeated
 
 
-class Played:
-    """Episodes played on a thread of their own (``Ahead``'s interface): ``join`` waits for
-    them within ``seconds`` (None: no bound), ``wait`` (collective) gives them, or raises an
-    error of any rank's on every rank."""
+class Played(Ahead):
+    """Episodes played on a thread of their own (``Ahead``'s thread): ``join`` waits for them
+    within ``seconds`` (None: no bound), ``wait`` (collective) gives them, or raises an error of
+    any rank's on every rank."""
 
     def __init__(self, fn: Callable[[], list[Episode]], seconds: float | None) -> None:
-        self.seconds, self._out = seconds, []
-        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], list[Episode]]) -> None:
-        try:
-            self._out.append(("ok", fn()))
-        except Exception as exc:  # noqa: BLE001 - raised on every rank by wait()
-            self._out.append(("error", exc))
+        super().__init__(fn, 0, seconds or 0.0, lambda rank: "")
+        self.seconds = seconds
 
     def join(self) -> None:
         """Until the episodes are played (this rank alone)."""
@@ -56,7 +48,6 @@ class Played:
     def wait(self) -> list[Episode]:
         """The episodes (collective)."""
         self.join()
-
         kind, value = self._out[0]
         if kind == "error" and isinstance(value, RankFailedError):
             raise value  # raised on every rank alike already, by a collective on the thread
