@@ -103,6 +103,7 @@ class DeepSpeedStrategy:
         self.storage = CheckpointStorage(self.checkpoint)  # each checkpoint directory's kind
         self.sequence: SequenceParallel | None = None  # Ulysses groups (sequence_parallel_size > 1)
         self._apart: Any = None  # ``apart``'s process group, made once
+        self._timeout = timedelta(minutes=self.config.timeout_minutes)  # setup_distributed's
 
     def __enter__(self) -> DeepSpeedStrategy:
         return self
@@ -151,6 +152,7 @@ class DeepSpeedStrategy:
             timeout = timedelta(minutes=self.config.timeout_minutes)
         elif not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=timeout)
+        self._timeout = timeout  # every collective's bound, the groups made later too
         dist.from_slurm()  # the ranks srun started
         self.config.validate_world(dist.get_world_size())
         self._check_accelerator()
@@ -265,7 +267,8 @@ class DeepSpeedStrategy:
             What the thread enters: ``with context():``.
         """
         if self._apart is None and dist.is_initialized():
-            self._apart = torch.distributed.new_group(list(range(self.world_size)))
+            self._apart = torch.distributed.new_group(list(range(self.world_size)),
+                                                      timeout=self._timeout)
         return functools.partial(dist.collectives_on, self._apart)
 
     def on_rank_0(self, fn: Callable, *args: Any) -> Any:
