@@ -556,7 +556,7 @@ class DeepSpeedStrategy:
             ConfigError: ``model`` is no training engine, or ``optimizer`` is not its optimizer.
         """
         check_training_engine(model, optimizer)
-        wake_engine(model)
+        self._wake(model)
         zero3_average = self.config.zero_stage == 3 and self.sequence is not None
         model.backward(loss * self.sequence_parallel_size if zero3_average else loss)
 
@@ -575,6 +575,11 @@ class DeepSpeedStrategy:
         for engine in engines:
             check_training_engine(engine, None)
             sleep_engine(engine)
+
+    def _wake(self, model) -> None:
+        """``model``'s training states back on its device where ``sleep`` moved them."""
+        if self.config.ds_enable_sleep:
+            wake_engine(model)
 
     def asleep(self, model) -> bool:
         """Whether a training engine's states are off the device (``sleep``).
@@ -765,7 +770,7 @@ class DeepSpeedStrategy:
             max_num, client_state = None, dict(max_num)
         if retention is not None and (max_num, max_mem) != (None, None):
             fail("retention", retention, "give retention or max_num/max_mem, not both")
-        wake_engine(model)
+        self._wake(model)
         return save_checkpoint(
             model, save_dir or self.checkpoint.ckpt_path, tag, client_state,
             retention=retention or Retention.from_config(self.checkpoint, max_num, max_mem),
@@ -803,7 +808,7 @@ class DeepSpeedStrategy:
             CheckpointFileError: a file is damaged, holds objects beyond tensors, or the EMA part is
                 missing (every rank raises it).
         """
-        wake_engine(model)
+        self._wake(model)
         loaded = load_checkpoint(
             model, load_dir or self.checkpoint.ckpt_path, tag, load_optimizer_states,
             load_lr_scheduler_states, dataloader, universal, layout=self.layout,
