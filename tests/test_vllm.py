@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -218,26 +219,15 @@ def test_async_rollouts_train_one_update_behind_and_resume_exactly(toy):
     step's loss equals the loss computed here by hand from every rank's micro-batches (the
     tokens' weights exp(trainer - engine) clamped to a narrow interval, so some are clamped),
     and differs from the uncorrected loss by far more than the tolerance."""
-    import shutil
-
     keys = ("loss", "reward", "staleness", "engine_logprob_diff", "grad_norm",
             "completion_length", "is_weight", "is_outside")
     name = "async_tp2"
     flags = dict(async_rollouts=1, save_steps=2, is_correction="tis",
                  is_correction_threshold=IS_INTERVAL, vllm_tensor_parallel_size=2)
     full = _run(toy, name, **flags)
-    history = full["history"]
-    assert [row["staleness"] for row in history] == [0.0, 1.0, 1.0, 1.0]
-    assert history[0]["engine_logprob_diff"] < 1e-4  # on-policy: the weights it sampled with
-    assert all(row["engine_logprob_diff"] > 1e-3 for row in history[1:])  # one update behind
-    _check_corrected_losses(history, full["loss_inputs"])
-    ckpt = toy / name / "ckpt"
-    shutil.rmtree(ckpt / "global_step4")
-    (ckpt / "latest").write_text("global_step2")
-    resumed = _run(toy, name, **flags, load_checkpoint=True)
-    assert [{k: r[k] for k in keys} for r in resumed["history"]] == [
-        {k: r[k] for k in keys} for r in history[2:]]
-    assert resumed["final"] == full["final"]
+    _one_update_behind(full["history"])
+    _check_corrected_losses(full["history"], full["loss_inputs"])
+    _resumes_from_step_2(toy, name, flags, full, keys)
 
 
 @needs_vllm
@@ -250,25 +240,34 @@ def test_episodes_played_ahead_train_one_update_behind_and_resume_exactly(toy):
     (feedback between the model's turns); a checkpoint taken with the next rollout's episodes
     in flight resumes bit-identically (the played episodes are saved with it). One engine spans
     both ranks: each turn's requests are gathered on the playing thread."""
-    import shutil
-
     keys = ("loss", "reward", "staleness", "engine_logprob_diff", "grad_norm", "turns",
             "completion_length")
     name = "async_agent_tp2"
     flags = dict(async_rollouts=1, save_steps=2, vllm_tensor_parallel_size=2, max_len=48,
                  reward_fn=None, agent_func_path="tests/data/agents/three_turns.py")
     full = _run(toy, name, **flags)
-    history = full["history"]
+    _one_update_behind(full["history"])
+    assert all(row["turns"] > 1.0 for row in full["history"]), full  # the environment answered
+    _resumes_from_step_2(toy, name, flags, full, keys)
+
+
+def _one_update_behind(history: list[dict]) -> None:
+    """Async rollouts' 4 steps: the first on-policy, each later one a rollout made one update
+    behind (the engine's log-probs that far from the trainer's)."""
     assert [row["staleness"] for row in history] == [0.0, 1.0, 1.0, 1.0]
-    assert all(row["turns"] > 1.0 for row in history), history  # the environment answered
     assert history[0]["engine_logprob_diff"] < 1e-4  # on-policy: the weights it sampled with
     assert all(row["engine_logprob_diff"] > 1e-3 for row in history[1:])  # one update behind
+
+
+def _resumes_from_step_2(toy, name: str, flags: dict, full: dict, keys: tuple) -> None:
+    """The run resumed from its step-2 checkpoint (a rollout in flight saved with it) gives
+    ``full``'s steps 3-4 (``keys`` of each) and final evaluation, bit-identically."""
     ckpt = toy / name / "ckpt"
     shutil.rmtree(ckpt / "global_step4")
     (ckpt / "latest").write_text("global_step2")
     resumed = _run(toy, name, **flags, load_checkpoint=True)
     assert [{k: r[k] for k in keys} for r in resumed["history"]] == [
-        {k: r[k] for k in keys} for r in history[2:]]
+        {k: r[k] for k in keys} for r in full["history"][2:]]
     assert resumed["final"] == full["final"]
 
 
