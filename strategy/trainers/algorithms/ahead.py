@@ -116,14 +116,14 @@ class EngineRollouts:
         """Start generating ``batch``'s rollout from the current weights: the engine synced, the
         seeds drawn now from the generator of the step it will train at."""
         self._sync_rollouts()
-        ids, mask = self._grouped(batch)
         rollout = self.global_step // self.grpo.ppo_epochs  # updates so far: the version
         step = (self._rounds_drawn - 1) * self.grpo.ppo_epochs  # where ``batch`` will train
         with sampling_rng(self.strategy.config.seed, step, self.strategy.rank):
             if self.episodes is not None:
-                return batch, self._play_ahead(batch), rollout
-            ahead = self.rollouts.start_generate(ids, mask, GenerationConfig(
-                **self._settings(True)))
+                ahead = self._play_ahead(batch)
+            else:
+                ahead = self.rollouts.start_generate(*self._grouped(batch), GenerationConfig(
+                    **self._settings(True)))
         return batch, ahead, rollout
 
     def _play_ahead(self, batch: dict) -> Played:
