@@ -392,11 +392,20 @@ def test_the_wheel_holds_the_configs_and_the_command(installed):
     assert {f"strategy/cli/train_{c}.py" for c in COMMANDS} <= set(names)
 
 
-def test_installed_command_trains_from_outside_the_checkout(installed):
+def test_the_readme_tour_runs_as_written_on_the_installed_command(installed):
+    """The README's tour (SFT, DPO, GRPO), each command as written, shortened to 2 optimizer
+    steps, on the wheel's installed ``strategy`` command and modules (not the checkout's: the
+    packaging), from a directory outside the checkout holding only the default run's data."""
     from tests.support.helpers import run_job
 
-    work, python = installed["work"], str(installed["python"])
-    outside = work / "elsewhere"
+    readme = (ROOT / "README.md").read_text()
+    tour = readme.split("## A tour", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.split("#")[0].strip() for line in tour.splitlines()]
+    commands = [c for c in commands if c.startswith(("strategy ", "python -m strategy"))
+                and "--help" not in c]  # the help texts: test_help_lists_the_trainers...
+    trains = [c for c in commands if c.startswith("strategy ")]
+    assert [c.split()[1] for c in trains] == ["sft", "dpo", "sft", "grpo"], commands
+    outside, python = installed["work"] / "elsewhere", str(installed["python"])
     outside.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env.update(OMP_NUM_THREADS="1", PYTHONNOUSERSITE="1",
@@ -405,51 +414,23 @@ def test_installed_command_trains_from_outside_the_checkout(installed):
                            cwd=outside, env=env, capture_output=True, text=True, check=True)
     where = where.stdout.strip().splitlines()[-1]
     assert where.startswith(str(installed["venv"])), where  # the wheel's copy, not the checkout
-    subprocess.run([python, "-m", "strategy.demos.toy_task", "make", "data", "--n_test", "6"],
-                   cwd=outside, env=env, check=True, capture_output=True)
-    proc = run_job([str(_venv_bin(installed["venv"]) / "strategy"), "sft", "--nproc", "2",
-                    "--config", "sft_zero2", "--tokenizer", "data/tokenizer",
-                    "--dataset", "data/train.jsonl", "--eval_dataset", "data/test.jsonl",
-                    "--max_steps", "2", "--logging_steps", "1", "--save_path", "out/model",
-                    "--ckpt_path", "out/ckpt", "--log_dir", "out/logs"], 600, cwd=outside,
-                   env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in open(outside / "out" / "logs" / "metrics.jsonl")]
-    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
-    assert (outside / "out" / "model" / "config.json").is_file()
-    helped = subprocess.run([python, "-m", "strategy.cli.train_dpo", "--help"], cwd=outside,
-                            env=env, capture_output=True, text=True, timeout=120)
-    assert helped.returncode == 0 and "--beta" in helped.stdout, helped.stderr[-2000:]
-
-
-def test_the_readme_tour_runs_as_written(tmp_path):
-    """The README's tour (SFT, DPO, GRPO on the installed command), each command as written,
-    shortened to 2 optimizer steps, from a directory holding only the default run's data."""
-    from tests.support.helpers import run_job
-
-    readme = (ROOT / "README.md").read_text()
-    tour = readme.split("## A tour", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    commands = [line.split("#")[0].strip() for line in tour.splitlines()]
-    commands = [c for c in commands if c.startswith(("strategy ", "python -m strategy"))
-                and "--help" not in c]  # the help texts: test_help_lists_the_trainers...
-    trains = [c for c in commands if c.startswith("strategy ") and "--help" not in c]
-    assert [c.split()[1] for c in trains] == ["sft", "dpo", "sft", "grpo"], commands
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:"
-           f"{os.environ['PATH']}"}
-    made = run_job([sys.executable, "-m", "strategy.demos.toy_task", "make",
-                    "outputs/default/data"], 300, cwd=tmp_path, env=env)
+    made = run_job([python, "-m", "strategy.demos.toy_task", "make", "outputs/default/data"],
+                   300, cwd=outside, env=env)
     assert made.returncode == 0, made.stderr[-2000:]
     for command in commands:
         argv = command.split()
         if argv[0] == "strategy":
             argv += ["--nproc", "2", "--max_steps", "2", "--logging_steps", "1",
                      "--save_steps", "-1"]
-        if argv[0] == "python":
-            argv[0] = sys.executable
-        proc = run_job(argv, 600, cwd=tmp_path, env=env)
+        argv[0] = python if argv[0] == "python" else str(_venv_bin(installed["venv"]) / argv[0])
+        proc = run_job(argv, 600, cwd=outside, env=env)
         assert proc.returncode == 0, (command, proc.stderr[-3000:])
+    for out in ("sft_zero2", "dpo_zero3", "grpo"):
+        rows = [json.loads(line) for line in open(outside / "outputs" / out / "logs" /
+                                                    "metrics.jsonl")]
+        assert [r["step"] for r in rows if "train/loss" in r] == [1, 2], (out, rows)
     for out in ("sft_zero2/model", "dpo_zero3/model", "grpo/sft", "grpo/model"):
-        assert (tmp_path / "outputs" / out / "config.json").is_file(), out
+        assert (outside / "outputs" / out / "config.json").is_file(), out
 
 
 def test_the_docs_list_every_openrlhf_flag_as_the_tables_say():
