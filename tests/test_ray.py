@@ -328,8 +328,10 @@ def _flags(root, name: str, **extra) -> list[str]:
 
 
 DRIVER = "strategy.cli.train_ppo_ray"
+# the drivers' imports, and the torchrun path's ranks' (the same zygote forks them)
 DRIVER_IMPORTS = [DRIVER, "strategy.cli.trainers", "strategy.cluster", "strategy.trainers.run",
-                  "ray", "ray.util.placement_group"]
+                  "ray", "ray.util.placement_group", "vllm", "strategy.rollout.vllm_engine",
+                  "strategy.cli.train_grpo", "strategy.cli.train_ppo"]
 STOPPED_TIMEOUT_S = 12  # the stopped engine's case: its call's deadline (steps take < 1 s)
 
 
@@ -350,6 +352,16 @@ def _ray_job(cluster, args: list[str], timeout: float = 400, watch=None, submit=
     if watch is None:
         return cluster.drivers.run(DRIVER, args, timeout=timeout, env=env)
     return watch(lambda: cluster.drivers.start(DRIVER, args, env=env))
+
+
+def _torchrun_path(cluster, module: str, argv: list[str]):
+    """2 ranks of ``python -m MODULE ARGV`` on this machine as torchrun starts them (forks of
+    the cluster's zygote, with torchrun's environment)."""
+    from strategy.dist import free_port
+
+    return cluster.drivers.run(module, argv, timeout=400,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, ranks=2,
+                               port=free_port())
 
 
 def _all_free(cluster, seconds: float = 30) -> bool:
@@ -418,7 +430,7 @@ def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
     rank's own, their turns asked of the engine actor while the step before trains."""
     from safetensors.torch import load_file
 
-    from tests.support.helpers import run_job, side_by_side, torchrun_command
+    from tests.support.helpers import side_by_side
 
     placement = {"two_nodes": ["--ref.num_nodes", "1", "--ref.num_gpus_per_node", "1"],
                  "colocated_async": ["--train.colocate_all", "--train.async_enable"],
@@ -433,10 +445,8 @@ def test_grpo_on_ray_equals_the_torchrun_path(cluster, toy, case):
                                    "--algo.advantage.estimator", "group_norm", *placement,
                                    *_flags(toy, name, vllm_num_engines=None, **both)],
                          submit=case == "two_nodes"),
-        lambda: run_job(torchrun_command("-m", "strategy.cli.train_grpo",
-                                         *_flags(toy, ref_name, **extra, **both,
-                                                 vllm_num_engines=0)),
-                        timeout=400))
+        lambda: _torchrun_path(cluster, "strategy.cli.train_grpo",
+                               _flags(toy, ref_name, **extra, **both, vllm_num_engines=0)))
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
     where = json.loads((toy / name / "logs" / "placement.json").read_text())
     actor_nodes = {rank["node_id"] for rank in where["actor"]}
@@ -487,7 +497,7 @@ def test_a_reward_model_group_of_its_own_scores_as_the_torchrun_ranks_do(cluster
     (each of the weighted sum's on its own), losses and export to 1e-6."""
     from safetensors.torch import load_file
 
-    from tests.support.helpers import run_job, side_by_side, torchrun_command
+    from tests.support.helpers import side_by_side
 
     settings = {"vllm_num_engines": None, "rollout_engine": "hf", "vllm_enforce_eager": None,
                 "vllm_timeout": None, "reward_pretrain": f"{toy}/rm",
@@ -497,8 +507,8 @@ def test_a_reward_model_group_of_its_own_scores_as_the_torchrun_ranks_do(cluster
                                    "--reward.num_gpus_per_node", "1",
                                    "--algo.advantage.estimator", "group_norm",
                                    *_flags(toy, "ray_rm", **settings)]),
-        lambda: run_job(torchrun_command("-m", "strategy.cli.train_grpo",
-                                         *_flags(toy, "torchrun_rm", **settings)), timeout=400))
+        lambda: _torchrun_path(cluster, "strategy.cli.train_grpo",
+                               _flags(toy, "torchrun_rm", **settings)))
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
     where = json.loads((toy / "ray_rm" / "logs" / "placement.json").read_text())
     assert [r["rank"] for r in where["reward"]] == [0] and "ref" not in where
@@ -537,7 +547,7 @@ def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(clus
     actor rank's last), the same equalities."""
     from safetensors.torch import load_file, save_file
 
-    from tests.support.helpers import run_job, side_by_side, torchrun_command
+    from tests.support.helpers import side_by_side
 
     settings = {"vllm_num_engines": None, "rollout_engine": "hf", "vllm_enforce_eager": None,
                 "vllm_timeout": None, "critic_pretrain": f"{toy}/rm", "critic_zero_stage": 2,
@@ -552,8 +562,7 @@ def test_ppo_with_a_critic_group_of_its_own_trains_as_the_torchrun_ranks_do(clus
     ours, theirs = f"ray_ppo_{batching}", f"torchrun_ppo_{batching}"
     job, ref = side_by_side(
         lambda: _ray_job(cluster, [*args, *_flags(toy, ours, **settings)]),
-        lambda: run_job(torchrun_command("-m", "strategy.cli.train_ppo",
-                                         *_flags(toy, theirs, **settings)), timeout=400))
+        lambda: _torchrun_path(cluster, "strategy.cli.train_ppo", _flags(toy, theirs, **settings)))
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
     where = json.loads((toy / ours / "logs" / "placement.json").read_text())
     assert [r["rank"] for r in where["critic"]] == [0]
