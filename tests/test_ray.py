@@ -392,20 +392,21 @@ def _act_once_trained(root, name: str, steps: int, act):
 
     def watch(start):
         proc = start()
-        metrics, deadline = root / name / "logs" / "metrics.jsonl", time.time() + 300
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                trained = metrics.exists() and len(_history(root, name)) >= steps
-            except ValueError:  # a line half written
-                trained = False
-            if trained:
-                act(proc)
-                break
-            time.sleep(0.2)
         try:
+            metrics, deadline = root / name / "logs" / "metrics.jsonl", time.time() + 300
+            while time.time() < deadline and proc.poll() is None:
+                try:
+                    trained = metrics.exists() and len(_history(root, name)) >= steps
+                except ValueError:  # a line half written
+                    trained = False
+                if trained:
+                    act(proc)
+                    break
+                time.sleep(0.2)
             out, err = proc.communicate(timeout=300)
         finally:
             kill_group(proc)
+            proc.close()
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     return watch
 

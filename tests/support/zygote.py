@@ -64,8 +64,13 @@ class Child:
         for path in (self._out, self._err):
             with open(path, errors="replace") as f:
                 out.append(f.read())
-            os.unlink(path)
         return out[0], out[1]
+
+    def close(self) -> None:
+        """Its output files removed (they are in the session's temp root)."""
+        for path in (self._out, self._err):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 class Zygote:
@@ -127,6 +132,7 @@ class Zygote:
                                  f"with its process group):\n{(out + err)[-3000:]}") from None
         finally:
             kill_group(child)  # a driver that returned may leave processes behind
+            child.close()
         return subprocess.CompletedProcess(child.args, child.returncode, out, err)
 
     def close(self) -> None:
