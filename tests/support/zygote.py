@@ -87,7 +87,12 @@ class Zygote:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            answer = json.loads(line)
+            try:
+                answer = json.loads(line)
+            except ValueError:  # a line an import printed: not an answer
+                continue
+            if not isinstance(answer, dict):
+                continue
             if "exit" in answer:
                 self.exits[answer["pid"]] = answer["exit"]
             elif "pid" in answer:
