@@ -357,11 +357,8 @@ def _ray_job(cluster, args: list[str], timeout: float = 400, watch=None, submit=
 def _torchrun_path(cluster, module: str, argv: list[str]):
     """2 ranks of ``python -m MODULE ARGV`` on this machine as torchrun starts them (forks of
     the cluster's zygote, with torchrun's environment)."""
-    from strategy.dist import free_port
-
     return cluster.drivers.run(module, argv, timeout=400,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"}, ranks=2,
-                               port=free_port())
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, ranks=2)
 
 
 def _all_free(cluster, seconds: float = 30) -> bool:

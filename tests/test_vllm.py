@@ -40,14 +40,12 @@ def _ranks(argv: list[str], script: str | None = None, module: str | None = None
            timeout: float = 600, env: dict | None = None):
     """2 ranks of ``python SCRIPT ARGV`` (or ``-m MODULE``), forks of the module's zygote with
     torchrun's environment; the outcome as ``run_job``'s."""
-    from strategy.dist import free_port
     from tests.support.zygote import Zygote
 
     if "zygote" not in _WARM:
         _WARM["zygote"] = Zygote(RANK_IMPORTS)
-    where = {"script": script} if script else {}
     return _WARM["zygote"].run(module, argv, timeout=timeout, env={**os.environ, **(env or {})},
-                               ranks=2, port=free_port(), **where)
+                               script=script, ranks=2)
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,17 @@ class Forked:
         return "".join(self.output)
 
 
+def exit_status(stop: SystemExit) -> int:
+    """The status an interpreter ends with on ``stop``: its code, 0 for none, else 1 with the
+    message printed to stderr."""
+    if isinstance(stop.code, int):
+        return stop.code
+    if stop.code is None:
+        return 0
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
 def forked(fn: Callable, *args: Any, env: dict | None = None) -> Forked:
     """``fn(*args)`` in a forked child with ``env`` added to its environment; exit status 0 when it
     returns, 1 on an exception (traceback in its output), the code of a ``SystemExit``."""
@@ -79,9 +90,7 @@ def forked(fn: Callable, *args: Any, env: dict | None = None) -> Forked:
             fn(*args)
             code = 0
         except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if not isinstance(e.code, (int, type(None))):
-                print(e.code, file=sys.stderr)
+            code = exit_status(e)
         except BaseException:  # noqa: BLE001 - reported through the output, like an interpreter
             traceback.print_exc()
         finally:

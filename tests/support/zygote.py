@@ -5,7 +5,8 @@ is a fork of it.
 
 ``Zygote(preload)`` starts ``python -m tests.support.zygote MODULE...`` (it imports them, then
 takes requests on its stdin: one JSON line each, answered on its stdout with the child's pid, and
-later with its exit status). ``zygote.start(module, argv, env=..., cwd=...)`` returns a
+later with its exit status). ``zygote.start(module, argv, env=..., cwd=...)`` (``script=PATH``
+for ``python PATH``; ``ranks=N``: N such ranks, as torchrun starts them) returns a
 ``subprocess.Popen``-like handle (``pid``, ``poll``, ``wait``, ``send_signal``, ``communicate``,
 ``returncode``); ``zygote.run(...)`` waits as ``helpers.run_job`` does. The child leads a session
 of its own (``helpers.kill_group`` kills it and what it started), has exactly the environment,
@@ -28,7 +29,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+
+from tests.support.forked import exit_status
 
 
 class Child:
@@ -102,39 +104,44 @@ class Zygote:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def start(self, module: str, argv: list[str], env: dict, cwd: str | None = None,
-              **request: Any) -> Child:
-        """``python -m MODULE ARGV`` forked; ``script=PATH, ranks=N, port=P`` instead: a
-        launcher of N ranks of ``python PATH ARGV`` at one node (torchrun's environment)."""
+    def start(self, module: str | None, argv: list[str], env: dict, cwd: str | None = None,
+              script: str | None = None, ranks: int = 0) -> Child:
+        """``python -m MODULE ARGV`` (or ``python SCRIPT ARGV``) forked; ``ranks=N``: a
+        launcher of N such ranks at one node, with torchrun's environment (a free port of its
+        own)."""
+        from strategy.dist import free_port
+
         out = tempfile.mkstemp(prefix="zygote-out-")
         err = tempfile.mkstemp(prefix="zygote-err-")
         for fd, _ in (out, err):
             os.close(fd)
+        request = {"module": module, "script": script, "argv": [str(a) for a in argv],
+                   "env": dict(env), "cwd": str(cwd or os.getcwd()), "out": out[1],
+                   "err": err[1], "ranks": ranks, "port": free_port() if ranks else None}
         with self._lock:
             self._ready.clear()
-            self.proc.stdin.write(json.dumps({
-                "module": module, "argv": [str(a) for a in argv], "env": dict(env),
-                "cwd": str(cwd or os.getcwd()), "out": out[1], "err": err[1], **request}) + "\n")
+            self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             if not self._ready.wait(60):
                 raise RuntimeError("the zygote did not fork within 60 s")
             pid = self._started.pop()
-        return Child(self, pid, out[1], err[1], [module, *argv])
+        return Child(self, pid, out[1], err[1], [module or script, *argv])
 
-    def run(self, module: str, argv: list[str], timeout: float, env: dict,
-            cwd: str | None = None, **request: Any) -> subprocess.CompletedProcess:
+    def run(self, module: str | None, argv: list[str], timeout: float, env: dict,
+            cwd: str | None = None, script: str | None = None,
+            ranks: int = 0) -> subprocess.CompletedProcess:
         """``start`` and wait, as ``helpers.run_job``: on ``timeout`` the child's session is
         killed and the test fails with the output's tail."""
         from tests.support.helpers import kill_group
 
-        child = self.start(module, argv, env, cwd, **request)
+        child = self.start(module, argv, env, cwd, script, ranks)
         try:
             out, err = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             kill_group(child)
             out, err = child.communicate(timeout=30)
-            raise AssertionError(f"python -m {module} still running after {timeout} s (killed "
-                                 f"with its process group):\n{(out + err)[-3000:]}") from None
+            raise AssertionError(f"{child.args[0]} still running after {timeout} s (killed with "
+                                 f"its process group):\n{(out + err)[-3000:]}") from None
         finally:
             kill_group(child)  # a driver that returned may leave processes behind
             child.close()
@@ -166,7 +173,7 @@ def _child(request: dict) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    if request.get("ranks"):
+    if request["ranks"]:
         os._exit(_launch(request))
     _become(request)
 
@@ -208,21 +215,19 @@ def _become(request: dict) -> None:
     """``python -m MODULE ARGV`` or ``python SCRIPT ARGV`` in this process; never returns."""
     code = 1
     try:
-        target = request.get("module") or request["script"]
+        target = request["module"] or request["script"]
         # what `python -m` (the working directory) or `python SCRIPT` (its folder) puts first
-        sys.path[0] = request["cwd"] if request.get("module") else os.path.dirname(
+        sys.path[0] = request["cwd"] if request["module"] else os.path.dirname(
             os.path.abspath(target))
         sys.argv = [target, *request["argv"]]
         try:
-            if request.get("module"):
+            if request["module"]:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
             else:
                 runpy.run_path(target, run_name="__main__")
             code = 0
         except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-            if not isinstance(stop.code, (int, type(None))):
-                print(stop.code, file=sys.stderr)
+            code = exit_status(stop)
         except BaseException:  # noqa: BLE001 - as the interpreter reports it
             sys.excepthook(*sys.exc_info())
         atexit._run_exitfuncs()
