@@ -51,11 +51,27 @@ def launch_env_kept():
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left():
-    """The session fails when it leaves anything on the machine (the last fixture to end)."""
+    """The session fails when it leaves anything on the machine (the last fixture to end). An
+    xdist worker checks what is its own; the controller, the machine's (``pytest_sessionfinish``
+    below)."""
     yield
     left = LEFTOVERS.report()
     LEFTOVERS.clear()
     assert not left, f"the test session left these behind (now removed):\n{left}"
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's own, which ends the workers
+def pytest_sessionfinish(session):
+    """Under pytest-xdist, the controller (which runs no test, so no fixture) fails the run when
+    the workers, all ended, left anything on the machine."""
+    if not session.config.pluginmanager.hasplugin("dsession"):
+        return  # a session of its own (or a worker): its ``nothing_left`` checked
+    left = LEFTOVERS.report(settle=True)
+    LEFTOVERS.clear()
+    if left:
+        session.config.get_terminal_writer().line(
+            f"error: the test session left these behind (now removed):\n{left}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -67,6 +83,8 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_configure(config):
+    # an xdist worker by its own config, not the environment (a pytest a test starts inherits it)
+    LEFTOVERS.worker = getattr(config, "workerinput", {}).get("workerid")
     config.addinivalue_line("markers", "gpu: needs an accelerator; skipped on CPU-only machines")
     config.addinivalue_line("markers", "slow: spawns processes or trains; still part of CI")
 
@@ -86,8 +104,25 @@ def pytest_runtest_makereport(item, call):
     report.longrepr = f"skipped under CI=true ({reason}); CI must have what this test needs"
 
 
+# the files that take longest (--durations, one worker), first: pytest-xdist (``-n 2 --dist
+# loadfile``) hands out whole files in this order, so the long ones start at once and the rest
+# (each under 8 s) even out the end
+LONGEST_FIRST = ("test_ray.py", "test_vllm.py", "test_cli.py", "test_grpo.py",
+                 "test_multinode.py", "test_trainers.py", "test_default_run.py", "test_agents.py",
+                 "test_launch.py", "test_parallel.py", "test_shipped_configs.py",
+                 "test_remote_reward.py", "test_checkpoint.py", "test_ppo.py", "test_harness.py",
+                 "test_faults.py", "test_distill.py", "test_docs.py")
+
+
+def _longest_first(item) -> int:
+    name = item.path.name
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
     from deepspeed.accelerator import get_accelerator
+
+    items.sort(key=_longest_first)  # stable: each file's own order kept
 
     if get_accelerator().device_name() != "cpu":
         return

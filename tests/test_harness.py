@@ -33,16 +33,17 @@ def test_fine():
 '''
 
 
-def _pytest(path: Path, ci: bool) -> str:
-    """pytest on ``path`` with this suite's conftest, a 3 s timeout and ``CI`` set or not."""
+def _pytest(path: Path, ci: bool, *extra: str) -> str:
+    """pytest on ``path`` with this suite's conftest, a 3 s timeout and ``CI`` set or not: its
+    output, then its exit status (``[exit N]``)."""
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "CI"} | ({"CI": "true"} if ci else {})
     env["PYTHONPATH"] = str(root)
     proc = subprocess.run([sys.executable, "-m", "pytest", str(path), "-q", "-rA",
                            "-p", "tests.conftest", "--rootdir", str(path.parent), "-c",
-                           os.devnull, "--timeout", "3", "-W", "ignore"],
+                           os.devnull, "--timeout", "3", "-W", "ignore", *extra],
                           capture_output=True, text=True, cwd=path.parent, env=env, timeout=120)
-    return proc.stdout + proc.stderr
+    return f"{proc.stdout}{proc.stderr}\n[exit {proc.returncode}]"
 
 
 def test_ci_turns_capability_skips_into_failures_and_hangs_time_out(tmp_path):
@@ -79,14 +80,19 @@ def test_after():
 
 def test_what_the_session_leaves_names_the_test_that_made_it(tmp_path):
     """A /dev/shm entry left by the session fails it, named with the test running when it first
-    appeared (not the session's last test, where the failure is reported), and is removed."""
-    tag = os.urandom(4).hex()
-    probe = tmp_path / "test_probe.py"
-    probe.write_text(LEAK_PROBE.replace("{tag}", tag))
-    out = _pytest(probe, ci=False)
-    assert f"sem.mp-probe{tag} first seen during test_probe.py::test_leaks_a_semaphore" in out, out
-    assert "3 passed, 1 error" in out, out
-    assert not Path(f"/dev/shm/sem.mp-probe{tag}").exists()
+    appeared (not the session's last test, where the failure is reported), and is removed; under
+    pytest-xdist (the README's ``-n 2``) too, where a worker ran the test and the controller,
+    after every worker ended, fails the run."""
+    for workers in ([], ["-n", "2"]):
+        tag = os.urandom(4).hex()
+        probe = tmp_path / "test_probe.py"
+        probe.write_text(LEAK_PROBE.replace("{tag}", tag))
+        out = _pytest(probe, False, *workers)
+        made = f"sem.mp-probe{tag} first seen during test_probe.py::test_leaks_a_semaphore"
+        assert made in out, out
+        assert "the test session left these behind" in out and out.endswith("[exit 1]"), out
+        assert ("3 passed" if workers else "3 passed, 1 error") in out, out
+        assert not Path(f"/dev/shm/sem.mp-probe{tag}").exists()
 
 
 def test_a_job_past_its_timeout_dies_with_its_whole_process_group(tmp_path):

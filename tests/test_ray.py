@@ -332,7 +332,9 @@ DRIVER = "strategy.cli.train_ppo_ray"
 DRIVER_IMPORTS = [DRIVER, "strategy.cli.trainers", "strategy.cluster", "strategy.trainers.run",
                   "ray", "ray.util.placement_group", "vllm", "strategy.rollout.vllm_engine",
                   "strategy.cli.train_grpo", "strategy.cli.train_ppo"]
-STOPPED_TIMEOUT_S = 12  # the stopped engine's case: its call's deadline (steps take < 1 s)
+# the stopped engine's case: its call's deadline (steps take < 1 s; the engine's start, under
+# it too, ~8 s here, to 15 s beside another test under .ci/run's two workers)
+STOPPED_TIMEOUT_S = 20
 
 
 def _ray_job(cluster, args: list[str], timeout: float = 400, watch=None, submit=False):

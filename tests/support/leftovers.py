@@ -2,10 +2,17 @@
 started (found by a variable every child inherits, so orphans count too), files in its own
 temp root and entries in the user's datasets cache (``datasets`` caches every JSON file it
 reads there: the session points it into its temp root). ``conftest.py`` fails the session when
-any is left, names each, then removes it so the next run starts clean."""
+any is left, names each, then removes it so the next run starts clean.
+
+Under pytest-xdist (``-n 2``) each worker is a session of its own inside the controller's: its
+marker extends the controller's and its temp root sits in the controller's. A worker checks
+its own processes and temp root; /dev/shm and the datasets cache are the machine's, shared by
+the workers, so the controller checks them once every worker has ended (``conftest.py``), each
+entry still named with the test that made it (the workers hand their ``seen`` over in a file)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -14,6 +21,8 @@ import threading
 import time
 
 SESSION_VAR = "STRATEGY_TEST_SESSION"
+ROOT_VAR = "STRATEGY_TEST_ROOT"  # the session's temp root, for its xdist workers
+SEEN = "seen-{}.json"  # a worker's ``seen``, handed to the controller in its temp root
 SHM = "/dev/shm"
 DATASETS_CACHE = "hf_datasets"  # the session's datasets cache, in its temp root
 
@@ -52,10 +61,13 @@ class Leftovers:
     in /dev/shm before it started."""
 
     def __init__(self) -> None:
-        self.marker = f"{os.getpid()}-{time.time_ns()}"
+        self.worker = None  # an xdist worker's id ("gw0"), set by conftest's pytest_configure
+        self.parent_root = os.environ.get(ROOT_VAR)  # a session this one runs inside of
+        inside = f"{os.environ[SESSION_VAR]}/" if SESSION_VAR in os.environ else ""
+        self.marker = f"{inside}{os.getpid()}-{time.time_ns()}"
         os.environ[SESSION_VAR] = self.marker  # inherited by every process the tests start
         self.root = tempfile.mkdtemp(prefix="strategy-tests-")
-        os.environ["TMPDIR"] = self.root
+        os.environ["TMPDIR"] = os.environ[ROOT_VAR] = self.root
         tempfile.tempdir = None  # gettempdir() reads TMPDIR again
         self.datasets_home = _datasets_home()
         self.datasets_before = _cached(self.datasets_home)
@@ -74,7 +86,8 @@ class Leftovers:
             time.sleep(every)
 
     def processes(self) -> list[tuple[int, str]]:
-        """Live processes of this session other than this one: (pid, command line)."""
+        """Live processes of this session (and of its xdist workers' sessions) other than this
+        one: (pid, command line)."""
         needle = f"{SESSION_VAR}={self.marker}".encode()
         found = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -82,7 +95,8 @@ class Leftovers:
                 continue
             try:
                 with open(f"/proc/{pid}/environ", "rb") as f:
-                    if needle not in f.read().split(b"\0"):
+                    if not any(x == needle or x.startswith(needle + b"/")
+                               for x in f.read().split(b"\0")):
                         continue
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -114,21 +128,49 @@ class Leftovers:
         the session's ``HF_DATASETS_CACHE``)."""
         return sorted(_cached(self.datasets_home) - self.datasets_before)
 
-    def report(self, grace: float = 15.0) -> str:
-        """What is left (after ``grace`` seconds for processes just ending), one kind a line;
-        '' when nothing."""
+    def machine_wide(self) -> bool:
+        """Whether this session checks what the machine shares (/dev/shm, the datasets cache):
+        a session of its own, or an xdist controller; not one of its workers."""
+        return self.worker is None
+
+    def report(self, grace: float = 15.0, settle: bool = False) -> str:
+        """What is left (after ``grace`` seconds for processes just ending and, with ``settle``,
+        for /dev/shm entries that processes ending remove: an xdist controller's workers' own
+        queues), one kind a line; '' when nothing. An xdist worker hands its ``seen`` to the
+        controller instead of checking the machine's entries."""
         deadline = time.monotonic() + grace
-        while self.processes() and time.monotonic() < deadline:
+        while (self.processes() or settle and self.shm()) and \
+                time.monotonic() < deadline:
             time.sleep(0.5)
-        lines, shm = [], self.shm()
+        if not self.machine_wide():
+            with open(os.path.join(self.parent_root, SEEN.format(self.worker)), "w") as f:
+                json.dump(self.seen, f)
+        shm = self.shm() if self.machine_wide() else []
+        datasets = self.datasets() if self.machine_wide() else []
+        seen, lines = self._workers_seen(), []
         for what, items in (("processes", self.processes()), ("/dev/shm entries", shm),
                             (f"temp files in {self.root}", self.temp()),
-                            (f"entries in {self.datasets_home}", self.datasets())):
+                            (f"entries in {self.datasets_home}", datasets)):
             if items:
                 lines.append(f"{what}: {items}")
         for name in shm:
-            lines.append(f"  {name} first seen during {self.seen.get(name, 'the last test')}")
+            lines.append(f"  {name} first seen during {seen.get(name, 'the last test')}")
         return "\n".join(lines)
+
+    def _workers_seen(self) -> dict[str, str]:
+        """``seen`` merged with what the xdist workers handed over (their files removed): the
+        test a worker ran names an entry before anything the controller noted."""
+        seen = dict(self.seen)
+        for name in os.listdir(self.root):
+            if name.startswith("seen-") and name.endswith(".json"):
+                path = os.path.join(self.root, name)
+                with open(path) as f:
+                    theirs = json.load(f)
+                os.unlink(path)
+                for entry, test in theirs.items():
+                    if "::" not in seen.get(entry, ""):  # the test a worker ran names it
+                        seen[entry] = test
+        return seen
 
     def clear(self) -> None:
         """Removes what is left, so the next run starts clean."""
@@ -137,12 +179,12 @@ class Leftovers:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        for name in self.shm():
+        for name in self.shm() if self.machine_wide() else []:
             try:
                 os.unlink(os.path.join(SHM, name))
             except OSError:
                 pass
-        for name in self.datasets():
+        for name in self.datasets() if self.machine_wide() else []:
             path = os.path.join(self.datasets_home, name)
             if os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)
