@@ -1,8 +1,9 @@
 """CI's own figures, as the README and docs/ci.md state them: ``CI=true bash .ci/run`` run
 ``--rounds`` times in a row in one folder (``--clone``: a fresh ``git clone`` of HEAD, so the
 first round creates the venv and builds the DeepSpeed ops; removed after), each round's wall
-seconds, its tests' seconds (pytest's summary), setup's (the rest), and its passed, skipped and
-failed counts and exit status. Each round's log goes to ``--out``.
+seconds, its tests' seconds (pytest's summary), setup's (the rest), the share of the machine's
+CPU time busy meanwhile, and its passed, skipped and failed counts and exit status. Each
+round's log goes to ``--out``.
 
 python benchmarks/bench_ci.py [--rounds 2] [--clone] [--out /tmp/bench_ci]
 python benchmarks/bench_ci.py --docs     # docs/ci.md's block, from --results; runs nothing
@@ -38,16 +39,26 @@ SLOWEST = 10  # of pytest's --durations list, the tests docs/ci.md names
 ROUND_TIMEOUT_S = 3600.0
 
 
+def cpu_times() -> tuple[float, float]:
+    """The machine's busy and total CPU seconds so far, all cores (``/proc/stat``)."""
+    with open("/proc/stat") as fh:
+        ticks = [int(x) for x in fh.readline().split()[1:9]]
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - ticks[3] - ticks[4]) / hz, sum(ticks) / hz
+
+
 def one_round(folder: str, log: str) -> dict:
-    """``CI=true bash .ci/run`` in ``folder``: its figures (its output in ``log``)."""
+    """``CI=true bash .ci/run`` in ``folder``: its figures (its output in ``log``), with the
+    share of the machine's CPU time that was busy meanwhile (``cores_busy``: 1.0 is every core
+    all the time)."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env.update(CI="true", PATH=os.pathsep.join(
         p for p in env["PATH"].split(os.pathsep) if not p.startswith(REPO)))
-    start = time.monotonic()
+    start, (busy, total) = time.monotonic(), cpu_times()
     with open(log, "w") as out:
         proc = subprocess.run(["bash", ".ci/run"], cwd=folder, env=env, stdout=out,
                               stderr=subprocess.STDOUT, timeout=ROUND_TIMEOUT_S)
-    wall = time.monotonic() - start
+    wall, (busy_end, total_end) = time.monotonic() - start, cpu_times()
     with open(log) as fh:
         text = fh.read()
     found = list(SUMMARY.finditer(text))
@@ -60,7 +71,8 @@ def one_round(folder: str, log: str) -> dict:
     return {"wall_s": wall, "tests_s": tests, "setup_s": wall - tests,
             "passed": counts.get("passed", 0), "skipped": counts.get("skipped", 0),
             "failed": counts.get("failed", 0) + counts.get("errors", 0) + counts.get("error", 0),
-            "exit": proc.returncode, "slowest": slowest}
+            "exit": proc.returncode, "cores_busy": (busy_end - busy) / (total_end - total),
+            "slowest": slowest}
 
 
 def run(args, each=None) -> list[dict]:
@@ -93,18 +105,21 @@ def docs(rows: list[dict]) -> str:
     by = {r["figure"]: r for r in rows}
     first = rows[0]
     lines = [f"{measured(first)}:", "",
-             "| round | wall | setup and the rest (wall - tests) | tests | passed | skipped | "
-             "failed | exit |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| round | wall | setup and the rest (wall - tests) | tests |"
+             + (" cores busy |" if "ci.first.cores_busy" in by else "")
+             + " passed | skipped | failed | exit |",
+             "| --- " * (9 if "ci.first.cores_busy" in by else 8) + "|"]
     for name, label in (("first", "1 (fresh clone)" if "clone" in first["command"] else "1"),
                         ("again", "2 (right after, same folder)")):
         if f"ci.{name}.wall_s" not in by:
             continue
         cell = {key: by[f"ci.{name}.{key}"] for key in
                 ("wall_s", "setup_s", "tests_s", "passed", "skipped", "failed", "exit")}
+        busy = by.get(f"ci.{name}.cores_busy")  # measured since 2026-12-08
+        busy = f" {busy['value']:.0%} |" if busy else ""
         lines.append(f"| {label} | {minutes(cell['wall_s']['value'])} | "
-                     f"{cell['setup_s']['value']:.0f} s | {cell['tests_s']['value']:.0f} s | "
-                     f"{cell['passed']['value']:.0f} | {cell['skipped']['value']:.0f} | "
+                     f"{cell['setup_s']['value']:.0f} s | {cell['tests_s']['value']:.0f} s |"
+                     f"{busy} {cell['passed']['value']:.0f} | {cell['skipped']['value']:.0f} | "
                      f"{cell['failed']['value']:.0f} | {cell['exit']['value']:.0f} |")
     slow = [r for r in rows if r["figure"].startswith("ci.slowest.")]
     lines += ["", f"The {len(slow)} slowest tests of the last round (pytest's `--durations`):", "",
