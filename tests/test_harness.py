@@ -210,3 +210,14 @@ def test_a_lock_a_killed_op_build_left_is_removed_and_a_live_builds_is_kept(tmp_
         builder.wait()
     assert [op for op, lock in locks.items() if lock.exists()] == ["cpu_adam", "async_io"]
 
+
+
+def test_the_longest_first_order_names_test_files_that_exist():
+    """``tests/conftest.py``'s ``LONGEST_FIRST`` (the order .ci/run's two workers take files in)
+    names files of this suite, each once: a renamed file would fall silently to the end."""
+    assert "tests.conftest" in sys.modules  # pytest's own copy: a second import would make
+    from tests.conftest import LONGEST_FIRST  # a second session marker and temp root
+
+    here = Path(__file__).parent
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST), LONGEST_FIRST
+    assert [name for name in LONGEST_FIRST if not (here / name).is_file()] == []
