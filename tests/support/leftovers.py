@@ -160,9 +160,9 @@ class Leftovers:
     def _workers_seen(self) -> dict[str, str]:
         """``seen`` merged with what the xdist workers handed over (their files removed): the
         test a worker ran names an entry before anything the controller noted."""
-        seen = dict(self.seen)
+        seen, (head, tail) = dict(self.seen), SEEN.split("{}")
         for name in os.listdir(self.root):
-            if name.startswith("seen-") and name.endswith(".json"):
+            if name.startswith(head) and name.endswith(tail):
                 path = os.path.join(self.root, name)
                 with open(path) as f:
                     theirs = json.load(f)
