@@ -66,6 +66,16 @@ def exit_status(stop: SystemExit) -> int:
     return 1
 
 
+def end_child(code: int) -> None:
+    """A forked child's end: its buffered output flushed, then ``os._exit(code)`` (never the
+    parent's cleanup: its ``atexit`` functions and finalizers are the parent's to run)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
 def forked(fn: Callable, *args: Any, env: dict | None = None) -> Forked:
     """``fn(*args)`` in a forked child with ``env`` added to its environment; exit status 0 when it
     returns, 1 on an exception (traceback in its output), the code of a ``SystemExit``."""
@@ -94,11 +104,7 @@ def forked(fn: Callable, *args: Any, env: dict | None = None) -> Forked:
         except BaseException:  # noqa: BLE001 - reported through the output, like an interpreter
             traceback.print_exc()
         finally:
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
+            end_child(code)
     os.close(write_fd)
     return Forked(pid, read_fd)
 

@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 
-from tests.support.forked import exit_status
+from tests.support.forked import end_child, exit_status
 
 
 class Child:
@@ -232,11 +232,7 @@ def _become(request: dict) -> None:
             sys.excepthook(*sys.exc_info())
         atexit._run_exitfuncs()
     finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        end_child(code)
 
 
 def _serve(preload: list[str]) -> None:
